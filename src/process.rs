@@ -1,0 +1,159 @@
+//! The per-message task: run the handler, settle the message, return the
+//! permit.
+//!
+//! Each dispatched message gets one `spawn_local` task, monomorphised for its
+//! subscription's handler so that the task is the only allocation. The task
+//! owns an [`InFlight`] guard whose `Drop` returns the permit and nacks the
+//! message if nothing settled it, so the permit and the message are released
+//! however the task ends: the handler returns, fails, panics, or the task is
+//! dropped with the runtime.
+
+use std::any::Any;
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+
+use futures::FutureExt;
+use tracing::{error, warn};
+
+use crate::dispatcher::Core;
+use crate::message::{Message, MessageId};
+use crate::reader::{SubscriptionContext, Verdict};
+use crate::transport::Transport;
+
+/// The error type handlers' errors are converted to. Any `std::error::Error`
+/// converts, as do `String`, `&str` and `anyhow::Error`.
+pub type HandlerError = Box<dyn std::error::Error + 'static>;
+
+/// What a handler may return on success: nothing, or reply bytes.
+pub trait IntoReply {
+    /// The reply payload, if any.
+    fn into_reply(self) -> Option<Vec<u8>>;
+}
+
+impl IntoReply for () {
+    fn into_reply(self) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+impl IntoReply for Vec<u8> {
+    fn into_reply(self) -> Option<Vec<u8>> {
+        Some(self)
+    }
+}
+
+impl IntoReply for Option<Vec<u8>> {
+    fn into_reply(self) -> Option<Vec<u8>> {
+        self
+    }
+}
+
+/// How a handler ended.
+pub(crate) enum Outcome {
+    /// Carries the reply, which the failure router publishes (issue 4).
+    #[allow(dead_code)]
+    Succeeded(Option<Vec<u8>>),
+    Failed(HandlerError),
+    Panicked(String),
+}
+
+/// A subscription's handler with its concrete type erased behind the one
+/// operation the dispatch loop needs.
+pub(crate) trait Spawn<T: Transport> {
+    fn spawn(&self, message: Message, in_flight: InFlight<T>);
+}
+
+pub(crate) struct HandlerTask<F, R, E> {
+    handler: Rc<F>,
+    output: PhantomData<fn() -> (R, E)>,
+}
+
+impl<F, R, E> HandlerTask<F, R, E> {
+    pub(crate) fn new(handler: F) -> Self {
+        HandlerTask {
+            handler: Rc::new(handler),
+            output: PhantomData,
+        }
+    }
+}
+
+impl<T, F, R, E> Spawn<T> for HandlerTask<F, R, E>
+where
+    T: Transport,
+    F: AsyncFn(&Message) -> Result<R, E> + 'static,
+    R: IntoReply + 'static,
+    E: Into<HandlerError> + 'static,
+{
+    fn spawn(&self, message: Message, in_flight: InFlight<T>) {
+        let handler = self.handler.clone();
+        tokio::task::spawn_local(async move {
+            let outcome = match AssertUnwindSafe(handler(&message)).catch_unwind().await {
+                Ok(Ok(reply)) => Outcome::Succeeded(reply.into_reply()),
+                Ok(Err(error)) => Outcome::Failed(error.into()),
+                Err(panic) => Outcome::Panicked(panic_text(panic.as_ref())),
+            };
+            in_flight.settle(message, outcome).await;
+        });
+    }
+}
+
+fn panic_text(panic: &(dyn Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+/// One dispatched message's claim on a permit and on its settlement.
+pub(crate) struct InFlight<T: Transport> {
+    core: Rc<Core<T>>,
+    subscription: Rc<SubscriptionContext<T>>,
+    /// `Some` until the message has been settled.
+    unsettled: Option<MessageId>,
+}
+
+impl<T: Transport> InFlight<T> {
+    pub(crate) fn new(
+        core: Rc<Core<T>>,
+        subscription: Rc<SubscriptionContext<T>>,
+        id: MessageId,
+    ) -> Self {
+        InFlight {
+            core,
+            subscription,
+            unsettled: Some(id),
+        }
+    }
+
+    /// Turns the handler's outcome into an ack or a nack.
+    async fn settle(mut self, message: Message, outcome: Outcome) {
+        let verdict = match outcome {
+            Outcome::Succeeded(_) => Verdict::Ack,
+            Outcome::Failed(error) => {
+                warn!(topic = %message.topic(), message_id = %message.id(), error = %error, "handler failed; nacking");
+                Verdict::Nack
+            }
+            Outcome::Panicked(panic) => {
+                error!(topic = %message.topic(), message_id = %message.id(), panic = %panic, "handler panicked; nacking");
+                Verdict::Nack
+            }
+        };
+        self.finish(verdict);
+    }
+
+    fn finish(&mut self, verdict: Verdict) {
+        if let Some(id) = self.unsettled.take() {
+            self.subscription.request(id, verdict);
+        }
+    }
+}
+
+impl<T: Transport> Drop for InFlight<T> {
+    fn drop(&mut self) {
+        // Reached without a verdict only when the task was dropped mid-way.
+        self.finish(Verdict::Nack);
+        self.core.release_permit();
+    }
+}

@@ -1,0 +1,625 @@
+//! Dispatcher behaviour on the in-memory transport: scheduling, backpressure,
+//! settlement and shutdown, end to end through the public API.
+
+use std::cell::{Cell, RefCell};
+use std::convert::Infallible;
+use std::future::Future;
+use std::rc::Rc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::task::{spawn_local, yield_now, LocalSet};
+
+use crate::transport::MemoryTransport;
+use crate::{Dispatcher, Error, Message, SubscribeOptions};
+
+fn run_local<F: Future>(test: F) -> F::Output {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    LocalSet::new().block_on(&runtime, test)
+}
+
+fn dispatcher(concurrency: usize) -> (Dispatcher<MemoryTransport>, MemoryTransport) {
+    let transport = MemoryTransport::new();
+    let dispatcher = Dispatcher::builder()
+        .concurrency(concurrency)
+        .build(transport.clone())
+        .unwrap();
+    (dispatcher, transport)
+}
+
+fn options(priority: i64) -> SubscribeOptions {
+    SubscribeOptions::new()
+        .priority(priority)
+        .negative_ack_redelivery_delay(Duration::ZERO)
+}
+
+type Log = Rc<RefCell<Vec<String>>>;
+
+/// A handler that records `<label>:<payload>` and yields before returning,
+/// so that readers get to refill their slots while it runs.
+fn recorder(log: &Log, label: &'static str) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
+    let log = log.clone();
+    async move |message: &Message| {
+        let payload = String::from_utf8_lossy(message.payload()).into_owned();
+        log.borrow_mut().push(format!("{label}:{payload}"));
+        yield_now().await;
+        Ok(())
+    }
+}
+
+/// A latch that handlers wait on until the test opens it.
+#[derive(Clone, Default)]
+struct Gate {
+    open: Rc<Cell<bool>>,
+    notify: Rc<Notify>,
+}
+
+impl Gate {
+    async fn wait(&self) {
+        while !self.open.get() {
+            self.notify.notified().await;
+        }
+    }
+
+    fn open(&self) {
+        self.open.set(true);
+        self.notify.notify_waiters();
+    }
+}
+
+async fn settle_down() {
+    for _ in 0..50 {
+        yield_now().await;
+    }
+}
+
+fn spawn_run(
+    dispatcher: &Rc<Dispatcher<MemoryTransport>>,
+) -> tokio::task::JoinHandle<Result<(), Error>> {
+    let dispatcher = dispatcher.clone();
+    spawn_local(async move { dispatcher.run().await })
+}
+
+#[test]
+fn messages_waiting_in_several_subscriptions_go_out_in_priority_order() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let log = Log::default();
+        for (topic, priority) in [("low", 30), ("high", 10), ("mid", 20)] {
+            for n in 0..4 {
+                transport.send(topic, format!("{n}"));
+            }
+            dispatcher
+                .subscribe(topic, recorder(&log, topic), options(priority))
+                .await
+                .unwrap();
+        }
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("low", 4).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let expected: Vec<String> = ["high", "mid", "low"]
+            .iter()
+            .flat_map(|topic| (0..4).map(move |n| format!("{topic}:{n}")))
+            .collect();
+        assert_eq!(*log.borrow(), expected);
+    });
+}
+
+#[test]
+fn subscriptions_of_equal_priority_take_turns() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let log = Log::default();
+        for topic in ["orders", "payments", "notifications"] {
+            for n in 0..3 {
+                transport.send(topic, format!("{n}"));
+            }
+            dispatcher
+                .subscribe(topic, recorder(&log, topic), options(10))
+                .await
+                .unwrap();
+        }
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("notifications", 3).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let topics: Vec<String> = log
+            .borrow()
+            .iter()
+            .map(|entry| entry.split(':').next().unwrap().to_owned())
+            .collect();
+        assert_eq!(
+            topics,
+            ["orders", "payments", "notifications"].repeat(3),
+            "log: {:?}",
+            log.borrow()
+        );
+    });
+}
+
+#[test]
+fn a_high_priority_message_arriving_while_all_permits_are_taken_goes_next() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let log = Log::default();
+        let gate = Gate::default();
+        for n in 0..5 {
+            transport.send("batch", format!("{n}"));
+        }
+        let batch_log = log.clone();
+        let batch_gate = gate.clone();
+        dispatcher
+            .subscribe(
+                "batch",
+                async move |message: &Message| {
+                    batch_log.borrow_mut().push(format!(
+                        "batch:{}",
+                        String::from_utf8_lossy(message.payload())
+                    ));
+                    batch_gate.wait().await;
+                    Ok::<_, Infallible>(())
+                },
+                options(50),
+            )
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("urgent", recorder(&log, "urgent"), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        assert_eq!(*log.borrow(), ["batch:0", "batch:1"], "both permits taken");
+        transport.send("urgent", "now");
+        settle_down().await;
+        assert_eq!(
+            log.borrow().len(),
+            2,
+            "no preemption: nothing starts without a permit"
+        );
+        gate.open();
+        transport.wait_acked("batch", 5).await;
+        assert_eq!(log.borrow()[2], "urgent:now", "log: {:?}", log.borrow());
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn never_more_handlers_in_flight_than_the_concurrency_limit() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(3);
+        let in_flight = Rc::new(Cell::new(0usize));
+        let peak = Rc::new(Cell::new(0usize));
+        let topics = ["a", "b", "c", "d"];
+        for topic in topics {
+            for n in 0..10 {
+                transport.send(topic, format!("{n}"));
+            }
+            let (in_flight, peak) = (in_flight.clone(), peak.clone());
+            dispatcher
+                .subscribe(
+                    topic,
+                    async move |_: &Message| {
+                        in_flight.set(in_flight.get() + 1);
+                        peak.set(peak.get().max(in_flight.get()));
+                        for _ in 0..5 {
+                            yield_now().await;
+                        }
+                        in_flight.set(in_flight.get() - 1);
+                        Ok::<_, Infallible>(())
+                    },
+                    options(10),
+                )
+                .await
+                .unwrap();
+        }
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        for topic in topics {
+            transport.wait_acked(topic, 10).await;
+        }
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(peak.get(), 3);
+    });
+}
+
+#[test]
+fn a_full_slot_stops_only_its_own_reader() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let gate = Gate::default();
+        for n in 0..10 {
+            transport.send("slow", format!("{n}"));
+            transport.send("other", format!("{n}"));
+        }
+        let slow_gate = gate.clone();
+        dispatcher
+            .subscribe(
+                "slow",
+                async move |_: &Message| {
+                    slow_gate.wait().await;
+                    Ok::<_, Infallible>(())
+                },
+                options(1),
+            )
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("other", recorder(&Log::default(), "other"), options(2))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        // One message in its handler and one in its slot; the rest stays with
+        // the broker.
+        assert_eq!(transport.received_count("slow"), 2);
+        assert_eq!(transport.backlog_len("slow"), 8);
+        // The other subscription filled its own slot regardless.
+        assert_eq!(transport.received_count("other"), 1);
+        assert_eq!(transport.backlog_len("other"), 9);
+        gate.open();
+        transport.wait_acked("slow", 10).await;
+        transport.wait_acked("other", 10).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn success_acks_while_errors_and_panics_nack_without_stopping_anything() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let ok = transport.send("jobs", "ok");
+        let failing = transport.send("jobs", "error");
+        let panicking = transport.send("jobs", "panic");
+        let redeliveries = Rc::new(RefCell::new(Vec::new()));
+        let seen = redeliveries.clone();
+        dispatcher
+            .subscribe(
+                "jobs",
+                async move |message: &Message| {
+                    let first_delivery = message.redelivery_count() == Some(0);
+                    if !first_delivery {
+                        seen.borrow_mut().push(message.payload().to_vec());
+                    }
+                    match (message.payload(), first_delivery) {
+                        (b"error", true) => Err("boom"),
+                        (b"panic", true) => panic!("handler bug"),
+                        _ => Ok(()),
+                    }
+                },
+                options(1),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("jobs", 3).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(
+            transport.nacked("jobs"),
+            [failing.clone(), panicking.clone()]
+        );
+        assert_eq!(transport.acked("jobs"), [ok, failing, panicking]);
+        assert_eq!(
+            *redeliveries.borrow(),
+            [b"error".to_vec(), b"panic".to_vec()]
+        );
+    });
+}
+
+#[test]
+fn nacks_wait_out_the_negative_ack_delay_but_not_shutdown() {
+    run_local(async {
+        tokio::time::pause();
+        let (dispatcher, transport) = dispatcher(5);
+        let first = transport.send("jobs", "a");
+        dispatcher
+            .subscribe(
+                "jobs",
+                async |_: &Message| Err::<(), _>("always fails"),
+                SubscribeOptions::new().negative_ack_redelivery_delay(Duration::from_secs(60)),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        assert!(transport.nacked("jobs").is_empty(), "nack held back");
+        tokio::time::advance(Duration::from_secs(59)).await;
+        settle_down().await;
+        assert!(
+            transport.nacked("jobs").is_empty(),
+            "still within the delay"
+        );
+        tokio::time::advance(Duration::from_secs(2)).await;
+        settle_down().await;
+        assert_eq!(transport.nacked("jobs"), [first.clone()]);
+        // The redelivered message fails again and its nack is held; closing
+        // sends it at once instead of waiting another minute.
+        let closing_at = tokio::time::Instant::now();
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert!(closing_at.elapsed() < Duration::from_secs(1));
+        assert_eq!(transport.nacked("jobs"), [first.clone(), first]);
+    });
+}
+
+#[test]
+fn shutdown_finishes_queued_and_in_flight_work_then_closes() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let gate = Gate::default();
+        let ids: Vec<_> = (0..3)
+            .map(|n| transport.send("jobs", format!("{n}")))
+            .collect();
+        let handler_gate = gate.clone();
+        dispatcher
+            .subscribe(
+                "jobs",
+                async move |_: &Message| {
+                    handler_gate.wait().await;
+                    Ok::<_, Infallible>(())
+                },
+                options(1),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        let closer = dispatcher.clone();
+        let closing = spawn_local(async move { closer.close().await });
+        settle_down().await;
+        assert!(
+            !closing.is_finished(),
+            "close waits for the handler in flight"
+        );
+        assert!(!transport.is_closed());
+        gate.open();
+        closing.await.unwrap();
+        run.await.unwrap().unwrap();
+        // The message in flight and the one queued in the slot were handled;
+        // the third was never taken from the broker.
+        assert_eq!(transport.acked("jobs"), ids[..2]);
+        assert_eq!(transport.backlog_len("jobs"), 1);
+        assert!(transport.is_closed());
+        assert_eq!(transport.open_consumers(), 0);
+    });
+}
+
+#[test]
+fn a_consumer_that_ends_stops_the_dispatcher_with_an_error_and_still_closes() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        transport.fail_close();
+        dispatcher
+            .subscribe("a", recorder(&Log::default(), "a"), options(1))
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("b", recorder(&Log::default(), "b"), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        transport.end_stream("a");
+        let result = run.await.unwrap();
+        assert!(
+            matches!(&result, Err(Error::ConsumerEnded { topic }) if topic.ends_with("/a")),
+            "{result:?}"
+        );
+        assert!(transport.is_closed(), "closed even though a reader failed");
+        assert_eq!(transport.open_consumers(), 0);
+    });
+}
+
+#[test]
+fn close_is_idempotent_shared_by_concurrent_callers_and_survives_dropped_callers() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let gate = Gate::default();
+        transport.send("jobs", "x");
+        let handler_gate = gate.clone();
+        dispatcher
+            .subscribe(
+                "jobs",
+                async move |_: &Message| {
+                    handler_gate.wait().await;
+                    Ok::<_, Infallible>(())
+                },
+                options(1),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        let handle = dispatcher.close_handle();
+        let callers: Vec<_> = (0..3)
+            .map(|_| {
+                let handle = handle.clone();
+                spawn_local(async move { handle.close().await })
+            })
+            .collect();
+        // A caller that gives up half-way does not cancel the shutdown.
+        let abandoned = {
+            let handle = handle.clone();
+            spawn_local(async move { handle.close().await })
+        };
+        settle_down().await;
+        abandoned.abort();
+        gate.open();
+        for caller in callers {
+            caller.await.unwrap();
+        }
+        run.await.unwrap().unwrap();
+        assert!(transport.is_closed());
+        assert_eq!(transport.acked("jobs").len(), 1);
+        // Closing again returns at once.
+        handle.close().await;
+        dispatcher.close().await;
+    });
+}
+
+#[test]
+fn dropping_the_run_future_shuts_down_gracefully() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let gate = Gate::default();
+        let ids: Vec<_> = (0..2)
+            .map(|n| transport.send("jobs", format!("{n}")))
+            .collect();
+        let handler_gate = gate.clone();
+        dispatcher
+            .subscribe(
+                "jobs",
+                async move |_: &Message| {
+                    handler_gate.wait().await;
+                    Ok::<_, Infallible>(())
+                },
+                options(1),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        run.abort();
+        assert!(run.await.unwrap_err().is_cancelled());
+        gate.open();
+        dispatcher.close().await;
+        assert_eq!(transport.acked("jobs"), ids);
+        assert!(transport.is_closed());
+    });
+}
+
+#[test]
+fn close_without_run_closes_consumers_and_connection() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        transport.send("jobs", "kept");
+        dispatcher
+            .subscribe("jobs", recorder(&Log::default(), "jobs"), options(1))
+            .await
+            .unwrap();
+        dispatcher.close().await;
+        assert!(transport.is_closed());
+        assert_eq!(transport.open_consumers(), 0);
+        assert_eq!(transport.received_count("jobs"), 0);
+        assert!(matches!(
+            dispatcher.run().await,
+            Err(Error::RunNotAllowed { .. })
+        ));
+    });
+}
+
+#[test]
+fn misuse_is_refused_with_a_typed_error() {
+    run_local(async {
+        let transport = MemoryTransport::new();
+        assert!(matches!(
+            Dispatcher::builder()
+                .concurrency(0)
+                .build(transport.clone()),
+            Err(Error::ZeroConcurrency)
+        ));
+        let (dispatcher, transport) = dispatcher(1);
+        let refused = dispatcher
+            .subscribe(
+                "jobs",
+                recorder(&Log::default(), "jobs"),
+                options(1).receiver_queue_size(0),
+            )
+            .await;
+        assert!(matches!(
+            refused,
+            Err(Error::InvalidOption {
+                option: "receiver_queue_size",
+                ..
+            })
+        ));
+        let refused = dispatcher
+            .subscribe("a//b", recorder(&Log::default(), "x"), options(1))
+            .await;
+        assert!(matches!(refused, Err(Error::InvalidTopic { .. })));
+        transport.fail_subscribe("broken");
+        let refused = dispatcher
+            .subscribe("broken", recorder(&Log::default(), "x"), options(1))
+            .await;
+        assert!(matches!(refused, Err(Error::Subscribe { .. })));
+        assert_eq!(transport.open_consumers(), 0, "nothing left behind");
+
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        assert!(matches!(
+            dispatcher.run().await,
+            Err(Error::RunNotAllowed { state: "running" })
+        ));
+        let late = dispatcher
+            .subscribe("late", recorder(&Log::default(), "late"), options(1))
+            .await;
+        assert!(matches!(late, Err(Error::SubscribeNotAllowed { .. })));
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let closed = dispatcher
+            .subscribe("late", recorder(&Log::default(), "late"), options(1))
+            .await;
+        assert!(matches!(
+            closed,
+            Err(Error::SubscribeNotAllowed {
+                state: "closed",
+                ..
+            })
+        ));
+        assert_eq!(transport.open_consumers(), 0);
+    });
+}
+
+#[test]
+fn a_subscribe_that_completes_after_run_started_leaves_no_consumer() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let dispatcher = Rc::new(dispatcher);
+        // The subscribe is in progress (awaiting the broker) when run starts.
+        let subscriber = dispatcher.clone();
+        let pending = spawn_local(async move {
+            subscriber
+                .subscribe("jobs", recorder(&Log::default(), "jobs"), options(1))
+                .await
+        });
+        let run = spawn_run(&dispatcher);
+        let result = pending.await.unwrap();
+        settle_down().await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert!(
+            matches!(
+                result,
+                Err(Error::SubscribeNotAllowed {
+                    state: "running",
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
+        assert_eq!(
+            transport.open_consumers(),
+            0,
+            "the late consumer was closed"
+        );
+    });
+}

@@ -1,0 +1,72 @@
+//! Topic names: expansion to the full form that Pulsar's clients use.
+//!
+//! The `pulsar` crate sends short names (`orders`) to the broker as given,
+//! while the Java, C++ and Python clients expand them to
+//! `persistent://public/default/orders`. The dispatcher expands every name
+//! itself, so that topics compare equal however they were written and the
+//! names it stamps into properties mean the same to every client.
+
+use crate::error::Error;
+
+/// The full form of a topic name: `persistent://public/default/orders` for
+/// `orders`, `persistent://tenant/ns/orders` for `tenant/ns/orders`; names
+/// with a domain are kept as they are.
+pub fn full_topic_name(name: &str) -> Result<String, Error> {
+    let invalid = |reason: &str| Error::InvalidTopic {
+        topic: name.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if let Some((domain, rest)) = name.split_once("://") {
+        if domain != "persistent" && domain != "non-persistent" {
+            return Err(invalid("the domain must be persistent or non-persistent"));
+        }
+        if rest.split('/').count() < 3 || rest.split('/').any(str::is_empty) {
+            return Err(invalid("expected <domain>://<tenant>/<namespace>/<topic>"));
+        }
+        return Ok(name.to_owned());
+    }
+    let parts: Vec<&str> = name.split('/').collect();
+    if parts.iter().any(|part| part.is_empty()) {
+        return Err(invalid("a topic name has no empty parts"));
+    }
+    match parts.len() {
+        1 => Ok(format!("persistent://public/default/{name}")),
+        3 => Ok(format!("persistent://{name}")),
+        _ => Err(invalid("expected <topic> or <tenant>/<namespace>/<topic>")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_names_expand_like_the_other_clients() {
+        assert_eq!(
+            full_topic_name("orders").unwrap(),
+            "persistent://public/default/orders"
+        );
+        assert_eq!(
+            full_topic_name("shop/prod/orders").unwrap(),
+            "persistent://shop/prod/orders"
+        );
+        assert_eq!(
+            full_topic_name("non-persistent://public/default/x").unwrap(),
+            "non-persistent://public/default/x"
+        );
+    }
+
+    #[test]
+    fn malformed_names_are_rejected() {
+        for bad in [
+            "",
+            "a/b",
+            "a//b",
+            "http://a/b/c",
+            "persistent://a/b",
+            "a/b/c/d",
+        ] {
+            assert!(full_topic_name(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+}

@@ -1,0 +1,371 @@
+//! An in-memory broker for unit tests and benchmarks.
+//!
+//! Topics are queues in memory. A consumer takes from its topic's queue; a
+//! nack puts the message back at the front with its redelivery count raised;
+//! every publish, ack and nack is recorded so that tests can assert on them.
+//! Failures can be injected (a subscribe, producer creation or close that
+//! fails, a consumer stream that ends). Receiving, acking and nacking a
+//! message with an empty payload allocates nothing in steady state, which
+//! keeps the benchmarks about the dispatcher.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::task::{Poll, Waker};
+
+use super::{Consumer, OutgoingMessage, Producer, Transport, TransportError};
+use crate::message::{Message, MessageId};
+use crate::subscription::SubscribeOptions;
+use crate::topic::full_topic_name;
+
+/// An in-memory transport. Cloning it gives another handle to the same
+/// broker, so a test can keep one while the dispatcher owns another.
+#[derive(Clone, Default)]
+pub struct MemoryTransport {
+    broker: Rc<Broker>,
+}
+
+#[derive(Default)]
+struct Broker {
+    topics: RefCell<HashMap<String, Rc<Topic>>>,
+    next_entry: Cell<u64>,
+    producers_created: RefCell<Vec<String>>,
+    failing_subscribes: RefCell<HashSet<String>>,
+    failing_producers: RefCell<HashMap<String, usize>>,
+    fail_close: Cell<bool>,
+    closed: Cell<bool>,
+    open_consumers: Cell<usize>,
+}
+
+#[derive(Default)]
+struct Topic {
+    name: Rc<str>,
+    backlog: RefCell<VecDeque<Message>>,
+    /// Messages handed to a consumer and neither acked nor nacked yet.
+    unsettled: RefCell<HashMap<MessageId, Message>>,
+    consumer_waker: Cell<Option<Waker>>,
+    ended: Cell<bool>,
+    received: Cell<u64>,
+    acked: RefCell<Vec<MessageId>>,
+    nacked: RefCell<Vec<MessageId>>,
+    published: RefCell<Vec<OutgoingMessage>>,
+    settle_waker: Cell<Option<Waker>>,
+}
+
+impl Topic {
+    fn push(&self, message: Message, front: bool) {
+        let mut backlog = self.backlog.borrow_mut();
+        if front {
+            backlog.push_front(message);
+        } else {
+            backlog.push_back(message);
+        }
+        if let Some(waker) = self.consumer_waker.take() {
+            waker.wake();
+        }
+    }
+
+    fn settled(&self) {
+        if let Some(waker) = self.settle_waker.take() {
+            waker.wake();
+        }
+    }
+}
+
+fn full(topic: &str) -> String {
+    full_topic_name(topic).expect("a valid topic name")
+}
+
+impl MemoryTransport {
+    /// An empty broker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn topic(&self, name: &str) -> Rc<Topic> {
+        let name = full(name);
+        let mut topics = self.broker.topics.borrow_mut();
+        topics
+            .entry(name.clone())
+            .or_insert_with(|| {
+                Rc::new(Topic {
+                    name: name.into(),
+                    ..Default::default()
+                })
+            })
+            .clone()
+    }
+
+    fn next_id(&self) -> MessageId {
+        let entry = self.broker.next_entry.get();
+        self.broker.next_entry.set(entry + 1);
+        MessageId::new(0, entry, -1, None)
+    }
+
+    /// Appends a message with this payload to `topic`, as a producer would.
+    pub fn send(&self, topic: &str, payload: impl Into<Vec<u8>>) -> MessageId {
+        self.send_message(topic, OutgoingMessage::new(payload))
+    }
+
+    /// Appends `message` to `topic`, as a producer would. The delivery time
+    /// is recorded but not waited for.
+    pub fn send_message(&self, topic: &str, message: OutgoingMessage) -> MessageId {
+        let topic = self.topic(topic);
+        let id = self.next_id();
+        let mut received = Message::new(topic.name.clone(), id.clone(), message.payload);
+        received.properties = message.properties;
+        received.partition_key = message.partition_key;
+        received.ordering_key = message.ordering_key;
+        received.event_time = message.event_time;
+        received.redelivery_count = Some(0);
+        topic.push(received, false);
+        id
+    }
+
+    /// Ids acknowledged on `topic`, in order.
+    pub fn acked(&self, topic: &str) -> Vec<MessageId> {
+        self.topic(topic).acked.borrow().clone()
+    }
+
+    /// Ids negatively acknowledged on `topic`, in order.
+    pub fn nacked(&self, topic: &str) -> Vec<MessageId> {
+        self.topic(topic).nacked.borrow().clone()
+    }
+
+    /// How many messages consumers of `topic` have received, redeliveries
+    /// included.
+    pub fn received_count(&self, topic: &str) -> u64 {
+        self.topic(topic).received.get()
+    }
+
+    /// Messages waiting on `topic`, not yet received by any consumer.
+    pub fn backlog_len(&self, topic: &str) -> usize {
+        self.topic(topic).backlog.borrow().len()
+    }
+
+    /// Messages published to `topic` through a producer, in order.
+    pub fn published(&self, topic: &str) -> Vec<OutgoingMessage> {
+        self.topic(topic).published.borrow().clone()
+    }
+
+    /// Topics a producer was created for, in creation order.
+    pub fn producers_created(&self) -> Vec<String> {
+        self.broker.producers_created.borrow().clone()
+    }
+
+    /// Waits until `count` messages have been acknowledged on `topic`.
+    pub async fn wait_acked(&self, topic: &str, count: usize) {
+        let topic = self.topic(topic);
+        poll_fn(|cx| {
+            if topic.acked.borrow().len() >= count {
+                return Poll::Ready(());
+            }
+            topic.settle_waker.set(Some(cx.waker().clone()));
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Makes every later subscribe to `topic` fail.
+    pub fn fail_subscribe(&self, topic: &str) {
+        self.broker
+            .failing_subscribes
+            .borrow_mut()
+            .insert(full(topic));
+    }
+
+    /// Makes the next `times` producer creations for `topic` fail.
+    pub fn fail_producer_creation(&self, topic: &str, times: usize) {
+        self.broker
+            .failing_producers
+            .borrow_mut()
+            .insert(full(topic), times);
+    }
+
+    /// Makes `close` report an error (after closing all the same).
+    pub fn fail_close(&self) {
+        self.broker.fail_close.set(true);
+    }
+
+    /// Ends the consumer stream of `topic`, as a broken connection would.
+    pub fn end_stream(&self, topic: &str) {
+        let topic = self.topic(topic);
+        topic.ended.set(true);
+        if let Some(waker) = topic.consumer_waker.take() {
+            waker.wake();
+        }
+    }
+
+    /// Whether `close` has been called.
+    pub fn is_closed(&self) -> bool {
+        self.broker.closed.get()
+    }
+
+    /// Consumers created and not yet closed.
+    pub fn open_consumers(&self) -> usize {
+        self.broker.open_consumers.get()
+    }
+}
+
+impl Transport for MemoryTransport {
+    type Consumer = MemoryConsumer;
+    type Producer = MemoryProducer;
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        _options: &SubscribeOptions,
+    ) -> Result<MemoryConsumer, TransportError> {
+        // A real subscribe takes a round trip, during which the dispatcher
+        // may start or close.
+        tokio::task::yield_now().await;
+        if self.broker.closed.get() {
+            return Err(TransportError::Closed);
+        }
+        if self.broker.failing_subscribes.borrow().contains(topic) {
+            return Err(TransportError::Injected(format!("subscribe to {topic}")));
+        }
+        self.broker
+            .open_consumers
+            .set(self.broker.open_consumers.get() + 1);
+        Ok(MemoryConsumer {
+            topic: self.topic(topic),
+            broker: self.broker.clone(),
+            closed: false,
+        })
+    }
+
+    async fn create_producer(&self, topic: &str) -> Result<MemoryProducer, TransportError> {
+        // A real creation takes a round trip; yielding once lets tests see
+        // concurrent first uses overlap.
+        tokio::task::yield_now().await;
+        if self.broker.closed.get() {
+            return Err(TransportError::Closed);
+        }
+        if let Some(left) = self.broker.failing_producers.borrow_mut().get_mut(topic) {
+            if *left > 0 {
+                *left -= 1;
+                return Err(TransportError::Injected(format!("producer for {topic}")));
+            }
+        }
+        self.broker
+            .producers_created
+            .borrow_mut()
+            .push(topic.to_owned());
+        Ok(MemoryProducer {
+            transport: self.clone(),
+            topic: self.topic(topic),
+        })
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        self.broker.closed.set(true);
+        if self.broker.fail_close.get() {
+            return Err(TransportError::Injected("close".into()));
+        }
+        Ok(())
+    }
+}
+
+/// A consumer of the in-memory transport.
+pub struct MemoryConsumer {
+    topic: Rc<Topic>,
+    broker: Rc<Broker>,
+    closed: bool,
+}
+
+impl Consumer for MemoryConsumer {
+    async fn receive(&mut self) -> Option<Result<Message, TransportError>> {
+        poll_fn(|cx| {
+            if self.topic.ended.get() {
+                return Poll::Ready(None);
+            }
+            match self.topic.backlog.borrow_mut().pop_front() {
+                Some(message) => {
+                    self.topic.received.set(self.topic.received.get() + 1);
+                    self.topic
+                        .unsettled
+                        .borrow_mut()
+                        .insert(message.id.clone(), message.clone());
+                    Poll::Ready(Some(Ok(message)))
+                }
+                None => {
+                    self.topic.consumer_waker.set(Some(cx.waker().clone()));
+                    Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+
+    async fn ack(&mut self, id: MessageId) -> Result<(), TransportError> {
+        self.topic.unsettled.borrow_mut().remove(&id);
+        self.topic.acked.borrow_mut().push(id);
+        self.topic.settled();
+        Ok(())
+    }
+
+    async fn nack(&mut self, id: MessageId) -> Result<(), TransportError> {
+        let redelivery = self.topic.unsettled.borrow_mut().remove(&id);
+        self.topic.nacked.borrow_mut().push(id);
+        if let Some(mut message) = redelivery {
+            message.redelivery_count = Some(message.redelivery_count.unwrap_or(0) + 1);
+            self.topic.push(message, true);
+        }
+        self.topic.settled();
+        Ok(())
+    }
+
+    async fn close(&mut self) -> Result<(), TransportError> {
+        if !std::mem::replace(&mut self.closed, true) {
+            self.broker
+                .open_consumers
+                .set(self.broker.open_consumers.get() - 1);
+            // Like a broker, hand whatever this consumer left unsettled to
+            // the next consumer.
+            let unsettled: Vec<Message> = self
+                .topic
+                .unsettled
+                .borrow_mut()
+                .drain()
+                .map(|(_, m)| m)
+                .collect();
+            for message in unsettled {
+                self.topic.push(message, true);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MemoryConsumer {
+    fn drop(&mut self) {
+        if !self.closed {
+            self.broker
+                .open_consumers
+                .set(self.broker.open_consumers.get() - 1);
+        }
+    }
+}
+
+/// A producer of the in-memory transport.
+pub struct MemoryProducer {
+    transport: MemoryTransport,
+    topic: Rc<Topic>,
+}
+
+impl Producer for MemoryProducer {
+    async fn send(&self, message: OutgoingMessage) -> Result<(), TransportError> {
+        if self.transport.is_closed() {
+            return Err(TransportError::Closed);
+        }
+        self.topic.published.borrow_mut().push(message.clone());
+        self.transport.send_message(&self.topic.name, message);
+        Ok(())
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        Ok(())
+    }
+}

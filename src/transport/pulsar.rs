@@ -1,0 +1,199 @@
+//! The transport over the `pulsar` crate.
+//!
+//! One `pulsar::Consumer` per subscription, owned by that subscription's
+//! reader task (the crate's `Consumer` needs `&mut self` both to receive and
+//! to ack, so a single owner does both). Producers wrap the crate's
+//! `Producer` in an async mutex held only while a message is handed over,
+//! not while its receipt is awaited, so concurrent sends to one topic
+//! pipeline. The crate runs its connection tasks with `tokio::spawn`, which
+//! works on a `current_thread` runtime.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use futures::StreamExt;
+use pulsar::producer::Message as PulsarOutgoing;
+use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
+
+use super::{Consumer, OutgoingMessage, Producer, Transport, TransportError};
+use crate::message::{Message, MessageId};
+use crate::subscription::SubscribeOptions;
+
+/// A connection to a Pulsar cluster through the `pulsar` crate.
+pub struct PulsarTransport {
+    /// Taken on close, so that the connections go once the consumers and
+    /// producers holding them are gone.
+    client: RefCell<Option<Pulsar<TokioExecutor>>>,
+}
+
+impl PulsarTransport {
+    /// Connects to `url` with the `pulsar` crate's default settings.
+    pub async fn connect(url: &str) -> Result<Self, TransportError> {
+        Self::from_builder(Pulsar::builder(url, TokioExecutor)).await
+    }
+
+    /// Connects with a builder the caller has configured (authentication,
+    /// TLS, retry options, ...).
+    pub async fn from_builder(
+        builder: PulsarBuilder<TokioExecutor>,
+    ) -> Result<Self, TransportError> {
+        Ok(Self::from_client(builder.build().await?))
+    }
+
+    /// Wraps a client the caller has already built.
+    pub fn from_client(client: Pulsar<TokioExecutor>) -> Self {
+        PulsarTransport {
+            client: RefCell::new(Some(client)),
+        }
+    }
+
+    /// The underlying client, until the transport is closed.
+    pub fn client(&self) -> Option<Pulsar<TokioExecutor>> {
+        self.client.borrow().clone()
+    }
+
+    fn open_client(&self) -> Result<Pulsar<TokioExecutor>, TransportError> {
+        self.client().ok_or(TransportError::Closed)
+    }
+}
+
+impl Transport for PulsarTransport {
+    type Consumer = PulsarConsumer;
+    type Producer = PulsarProducer;
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: &SubscribeOptions,
+    ) -> Result<PulsarConsumer, TransportError> {
+        let mut consumer_options = options.consumer_options.clone();
+        consumer_options.receiver_queue_size = Some(options.receiver_queue_size);
+        let mut builder = self
+            .open_client()?
+            .consumer()
+            .with_topic(topic)
+            .with_subscription_type(options.subscription_type)
+            .with_batch_size(options.receiver_queue_size)
+            .with_options(consumer_options)
+            .with_unacked_message_resend_delay(options.unacked_message_resend_delay);
+        if let Some(name) = &options.subscription {
+            builder = builder.with_subscription(name);
+        }
+        if let Some(name) = &options.consumer_name {
+            builder = builder.with_consumer_name(name);
+        }
+        if let Some(policy) = &options.dead_letter_policy {
+            builder = builder.with_dead_letter_policy(policy.clone());
+        }
+        Ok(PulsarConsumer {
+            consumer: builder.build().await?,
+            topic: Rc::from(topic),
+        })
+    }
+
+    async fn create_producer(&self, topic: &str) -> Result<PulsarProducer, TransportError> {
+        let producer = self
+            .open_client()?
+            .producer()
+            .with_topic(topic)
+            .build()
+            .await?;
+        Ok(PulsarProducer {
+            producer: tokio::sync::Mutex::new(producer),
+        })
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        self.client.borrow_mut().take();
+        Ok(())
+    }
+}
+
+/// A consumer of the Pulsar transport.
+pub struct PulsarConsumer {
+    consumer: pulsar::Consumer<Vec<u8>, TokioExecutor>,
+    topic: Rc<str>,
+}
+
+impl PulsarConsumer {
+    fn convert(&self, received: pulsar::consumer::Message<Vec<u8>>) -> Message {
+        let pulsar::Payload { metadata, data } = received.payload;
+        // Partitions of a partitioned topic report their own name.
+        let topic = if received.topic == *self.topic {
+            self.topic.clone()
+        } else {
+            Rc::from(received.topic)
+        };
+        let mut message = Message::new(topic, MessageId(received.message_id.id), data);
+        message.properties = metadata
+            .properties
+            .into_iter()
+            .map(|pair| (pair.key, pair.value))
+            .collect();
+        message.partition_key = metadata.partition_key;
+        message.ordering_key = metadata.ordering_key;
+        message.event_time = metadata.event_time;
+        message.publish_time = metadata.publish_time;
+        message
+    }
+}
+
+impl Consumer for PulsarConsumer {
+    async fn receive(&mut self) -> Option<Result<Message, TransportError>> {
+        // `Stream::next` is cancel-safe: the crate keeps undelivered messages
+        // in its own queue.
+        match self.consumer.next().await? {
+            Ok(received) => Some(Ok(self.convert(received))),
+            Err(error) => Some(Err(error.into())),
+        }
+    }
+
+    async fn ack(&mut self, id: MessageId) -> Result<(), TransportError> {
+        self.consumer
+            .ack_with_id(&self.topic, id.0)
+            .await
+            .map_err(|e| TransportError::Pulsar(e.into()))
+    }
+
+    async fn nack(&mut self, id: MessageId) -> Result<(), TransportError> {
+        self.consumer
+            .nack_with_id(&self.topic, id.0)
+            .await
+            .map_err(|e| TransportError::Pulsar(e.into()))
+    }
+
+    async fn close(&mut self) -> Result<(), TransportError> {
+        // The crate routes this through the consumer's engine queue behind
+        // any acks and nacks sent earlier, so they reach the broker first.
+        Ok(self.consumer.close().await?)
+    }
+}
+
+/// A producer of the Pulsar transport.
+pub struct PulsarProducer {
+    producer: tokio::sync::Mutex<pulsar::Producer<TokioExecutor>>,
+}
+
+impl Producer for PulsarProducer {
+    async fn send(&self, message: OutgoingMessage) -> Result<(), TransportError> {
+        let outgoing = PulsarOutgoing {
+            payload: message.payload,
+            properties: message.properties.into_iter().collect(),
+            partition_key: message.partition_key,
+            ordering_key: message.ordering_key,
+            event_time: message.event_time,
+            deliver_at_time: message.deliver_at_time,
+            ..Default::default()
+        };
+        let receipt = {
+            let mut producer = self.producer.lock().await;
+            producer.send_non_blocking(outgoing).await?
+        };
+        receipt.await?;
+        Ok(())
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        Ok(self.producer.lock().await.close().await?)
+    }
+}
