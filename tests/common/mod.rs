@@ -1,0 +1,272 @@
+//! Helpers shared by the integration tests (`mod common;` in each test file).
+//!
+//! The tests run against a real Apache Pulsar broker. `cargo xtask test`
+//! starts one (or uses the one at `PULSAR_URL`) and sets the environment
+//! variables read here. Tests never skip: without a broker they fail with a
+//! message that says how to get one.
+//!
+//! Each test binary uses a subset of these helpers, hence the
+//! `allow(dead_code)` on the module's items.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub const DEFAULT_PULSAR_URL: &str = "pulsar://127.0.0.1:6650";
+pub const DEFAULT_WEB_URL: &str = "http://127.0.0.1:8080";
+
+const HOW_TO_GET_A_BROKER: &str = "run the tests with `cargo xtask test` (starts a broker, runs \
+     every test, stops it), or start one with `cargo xtask broker start`, or point PULSAR_URL / \
+     PULSAR_WEB_URL at a running broker";
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| default.to_string())
+}
+
+/// `host:port` of a `scheme://host:port/...` URL.
+fn authority(url: &str) -> String {
+    let rest = url.split_once("://").map(|(_, r)| r).unwrap_or(url);
+    rest.split('/').next().unwrap_or(rest).to_string()
+}
+
+/// The broker's service URL (`PULSAR_URL`, default `pulsar://127.0.0.1:6650`),
+/// after checking once per test binary that the broker answers. Panics with
+/// instructions when it does not.
+pub fn pulsar_url() -> String {
+    static CHECK: OnceLock<Result<(), String>> = OnceLock::new();
+    let url = env_or("PULSAR_URL", DEFAULT_PULSAR_URL);
+    if let Err(e) = CHECK.get_or_init(|| check_broker(&url)) {
+        panic!("no Pulsar broker for the integration tests: {e}\n{HOW_TO_GET_A_BROKER}");
+    }
+    url
+}
+
+/// The broker's admin/web URL (`PULSAR_WEB_URL`, default `http://127.0.0.1:8080`),
+/// without a trailing slash.
+pub fn web_url() -> String {
+    env_or("PULSAR_WEB_URL", DEFAULT_WEB_URL)
+        .trim_end_matches('/')
+        .to_string()
+}
+
+fn check_broker(service_url: &str) -> Result<(), String> {
+    let service = authority(service_url);
+    connect(&service, Duration::from_secs(3))
+        .map_err(|e| format!("cannot connect to {service_url} (PULSAR_URL): {e}"))?;
+    let (status, body) = http_get("/admin/v2/brokers/health")
+        .map_err(|e| format!("admin API at {} (PULSAR_WEB_URL): {e}", web_url()))?;
+    if status != 200 {
+        return Err(format!(
+            "health check at {} answered HTTP {status}: {body}",
+            web_url()
+        ));
+    }
+    Ok(())
+}
+
+fn connect(authority: &str, timeout: Duration) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+    for addr in authority.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&addr, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// `GET {web_url}{path}` over plain HTTP/1.0; returns status and body.
+pub fn http_get(path: &str) -> std::io::Result<(u16, String)> {
+    let web = web_url();
+    let host = authority(&web);
+    let timeout = Duration::from_secs(15);
+    let mut stream = connect(&host, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.0\r\nHost: {host}\r\nAccept: application/json\r\n\r\n"
+    )?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response")
+        })?;
+    Ok((status, body.to_string()))
+}
+
+/// A name no other test run has used: `<prefix>-<time>-<pid>-<counter>`.
+pub fn unique_name(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_nanos();
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}-{nanos:x}-{}-{n}", std::process::id())
+}
+
+/// A fresh topic: `persistent://public/default/<prefix>-<unique suffix>`.
+pub fn unique_topic(prefix: &str) -> String {
+    format!("persistent://public/default/{}", unique_name(prefix))
+}
+
+/// `public/default/foo` for `persistent://public/default/foo` or `foo`.
+fn topic_path(topic: &str) -> String {
+    match topic.strip_prefix("persistent://") {
+        Some(rest) => rest.to_string(),
+        None if topic.contains('/') => topic.to_string(),
+        None => format!("public/default/{topic}"),
+    }
+}
+
+/// The topic's stats JSON from the admin API
+/// (`GET {web}/admin/v2/persistent/<tenant>/<ns>/<topic>/stats`).
+pub fn topic_stats(topic: &str) -> serde_json::Value {
+    let path = format!("/admin/v2/persistent/{}/stats", topic_path(topic));
+    let (status, body) = http_get(&path).unwrap_or_else(|e| panic!("GET {}{path}: {e}", web_url()));
+    assert_eq!(status, 200, "GET {}{path}: {body}", web_url());
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("stats of {topic} are not JSON: {e}"))
+}
+
+/// Counters of one subscription, as the broker reports them.
+#[derive(Clone, Debug)]
+pub struct SubscriptionStats {
+    /// Messages not yet acknowledged on the subscription (delivered or not).
+    pub msg_backlog: u64,
+    /// Messages the broker has dispatched to the subscription's consumers
+    /// (redeliveries included).
+    pub msg_out_counter: u64,
+    /// Messages dispatched to consumers and not yet acknowledged.
+    pub unacked_messages: u64,
+    /// Consumers connected to the subscription.
+    pub consumers: usize,
+    /// The whole subscription object, for anything else.
+    pub raw: serde_json::Value,
+}
+
+/// The stats of `subscription` on `topic` (full or short topic name).
+/// Panics if the topic has no such subscription. A short blocking HTTP call;
+/// see [`wait_for_stats`] for use from async code.
+pub fn subscription_stats(topic: &str, subscription: &str) -> SubscriptionStats {
+    let stats = topic_stats(topic);
+    let sub = stats
+        .get("subscriptions")
+        .and_then(|s| s.get(subscription))
+        .unwrap_or_else(|| {
+            panic!(
+                "topic {topic} has no subscription {subscription}; its subscriptions: {}",
+                stats
+                    .get("subscriptions")
+                    .unwrap_or(&serde_json::Value::Null)
+            )
+        })
+        .clone();
+    let count = |field: &str| sub.get(field).and_then(|v| v.as_u64()).unwrap_or(0);
+    SubscriptionStats {
+        msg_backlog: count("msgBacklog"),
+        msg_out_counter: count("msgOutCounter"),
+        unacked_messages: count("unackedMessages"),
+        consumers: sub
+            .get("consumers")
+            .and_then(|c| c.as_array())
+            .map_or(0, |c| c.len()),
+        raw: sub,
+    }
+}
+
+/// Polls [`subscription_stats`] until `done` holds or `timeout` passes, and
+/// returns the last stats either way (the caller asserts on them).
+///
+/// Async on purpose: between polls it sleeps with `tokio::time::sleep`, so the
+/// `pulsar` crate's tasks on the same (current-thread) runtime keep running.
+/// They must: an `ack().await` only queues the ack for the consumer's engine
+/// task, and nothing reaches the broker while the thread is blocked. For the
+/// same reason, do not call the blocking [`subscription_stats`] in a loop
+/// from async code without yielding to the runtime in between.
+pub async fn wait_for_stats(
+    topic: &str,
+    subscription: &str,
+    timeout: Duration,
+    done: impl Fn(&SubscriptionStats) -> bool,
+) -> SubscriptionStats {
+    let begun = Instant::now();
+    loop {
+        // Give the runtime's tasks (acks, flow permits) a turn first.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let stats = subscription_stats(topic, subscription);
+        if done(&stats) || begun.elapsed() > timeout {
+            return stats;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The Python interpreter of the test virtualenv (`PULSAR_DISPATCHER_PYTHON`,
+/// set by `cargo xtask test`), which has `pulsar-client` installed.
+pub fn python() -> PathBuf {
+    match std::env::var_os("PULSAR_DISPATCHER_PYTHON") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => panic!(
+            "PULSAR_DISPATCHER_PYTHON is not set: it must name a Python with pulsar-client==3.13.0 \
+             installed. `cargo xtask test` creates target/pyenv and sets it; to run tests by hand, \
+             run `cargo xtask test` once and then export \
+             PULSAR_DISPATCHER_PYTHON=$PWD/target/pyenv/bin/python"
+        ),
+    }
+}
+
+/// Path of a script under `tests/interop/`.
+pub fn interop_script(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/interop")
+        .join(name)
+}
+
+/// Milliseconds since the Unix epoch, the unit of Pulsar's event and
+/// delivery times.
+pub fn now_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as u64
+}
+
+/// Runs `fut` the way the library runs: on a tokio `current_thread` runtime
+/// inside a `LocalSet`. Panics if it takes longer than `limit`, so that a
+/// broken broker or client fails the test instead of hanging it.
+pub fn run_local<F: Future>(limit: Duration, fut: F) -> F::Output {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("building a current_thread runtime");
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async move {
+        match tokio::time::timeout(limit, fut).await {
+            Ok(out) => out,
+            Err(_) => panic!("test did not finish within {limit:?}"),
+        }
+    })
+}
+
+/// A `pulsar` client for the test broker on the current (tokio) runtime.
+pub async fn client() -> pulsar::Pulsar<pulsar::TokioExecutor> {
+    let url = pulsar_url();
+    pulsar::Pulsar::builder(url.clone(), pulsar::TokioExecutor)
+        .build()
+        .await
+        .unwrap_or_else(|e| panic!("connecting to {url}: {e}"))
+}

@@ -1,0 +1,73 @@
+"""Consumes messages with the official Python client (pulsar-client).
+
+Interop peer for tests/smoke_pulsar.rs. Reads a JSON request on stdin:
+
+    {"service_url": "...", "topic": "...", "subscription": "...",
+     "count": N, "timeout_ms": 20000}
+
+Subscribes (Shared, from the earliest message), receives and acknowledges N
+messages and prints `RESULT {"messages": [...]}`, one object per message with
+its payload, properties, partition key, ordering key, event and publish
+timestamps and redelivery count. Exits with status 2 if fewer than N messages
+arrive in time.
+"""
+
+import json
+import logging
+import sys
+import time
+
+import pulsar
+
+
+def describe(msg):
+    return {
+        "payload": msg.data().decode("utf-8"),
+        "properties": msg.properties(),
+        "partition_key": msg.partition_key() or None,
+        "ordering_key": msg.ordering_key() or None,
+        "event_timestamp": msg.event_timestamp(),
+        "publish_timestamp": msg.publish_timestamp(),
+        "redelivery_count": msg.redelivery_count(),
+        "topic": msg.topic_name(),
+    }
+
+
+def main():
+    request = json.load(sys.stdin)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    client = pulsar.Client(
+        request["service_url"],
+        operation_timeout_seconds=10,
+        logger=logging.getLogger("pulsar-client"),
+    )
+    received = []
+    try:
+        consumer = client.subscribe(
+            request["topic"],
+            request["subscription"],
+            consumer_type=pulsar.ConsumerType.Shared,
+            initial_position=pulsar.InitialPosition.Earliest,
+        )
+        deadline = time.monotonic() + request.get("timeout_ms", 20000) / 1000.0
+        while len(received) < request["count"]:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                break
+            try:
+                msg = consumer.receive(timeout_millis=min(left_ms, 1000))
+            except pulsar.Timeout:
+                continue
+            received.append(describe(msg))
+            consumer.acknowledge(msg)
+        consumer.close()
+    finally:
+        client.close()
+    print("RESULT " + json.dumps({"messages": received}), flush=True)
+    if len(received) < request["count"]:
+        print(f"received {len(received)} of {request['count']} messages", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Publishes messages with the official Python client (pulsar-client).
+
+Interop peer for tests/smoke_pulsar.rs. Reads a JSON request on stdin:
+
+    {"service_url": "...", "topic": "...", "batching": false,
+     "messages": [{"payload": "text", "properties": {"k": "v"},
+                   "partition_key": "pk", "ordering_key": "ok",
+                   "event_timestamp": 1700000000000}, ...]}
+
+Optional fields may be null or missing. Prints `RESULT {"sent": N}` when every
+message has been acknowledged by the broker.
+"""
+
+import json
+import logging
+import sys
+
+import pulsar
+
+
+def main():
+    request = json.load(sys.stdin)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    client = pulsar.Client(
+        request["service_url"],
+        operation_timeout_seconds=10,
+        logger=logging.getLogger("pulsar-client"),
+    )
+    try:
+        batching = bool(request.get("batching", False))
+        producer = client.create_producer(
+            request["topic"],
+            batching_enabled=batching,
+            # With batching on, hold messages long enough that they share a batch.
+            batching_max_publish_delay_ms=50,
+            batching_max_messages=1000,
+        )
+        pending = []
+        for spec in request["messages"]:
+            kwargs = {}
+            if spec.get("properties"):
+                kwargs["properties"] = spec["properties"]
+            for key in ("partition_key", "ordering_key", "event_timestamp"):
+                if spec.get(key) is not None:
+                    kwargs[key] = spec[key]
+            payload = spec["payload"].encode("utf-8")
+            if batching:
+                pending.append(None)
+                producer.send_async(payload, callback=_collect(pending, len(pending) - 1), **kwargs)
+            else:
+                producer.send(payload, **kwargs)
+        if batching:
+            producer.flush()
+            failed = [r for r in pending if r != pulsar.Result.Ok]
+            if failed:
+                raise RuntimeError(f"send failed: {failed}")
+        producer.close()
+        print("RESULT " + json.dumps({"sent": len(request["messages"])}), flush=True)
+    finally:
+        client.close()
+
+
+def _collect(results, index):
+    def callback(result, _message_id):
+        results[index] = result
+
+    return callback
+
+
+if __name__ == "__main__":
+    main()

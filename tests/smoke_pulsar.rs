@@ -1,0 +1,521 @@
+//! Smoke tests of the ground the library stands on: the real Apache Pulsar
+//! broker and the `pulsar` crate, used directly on a `current_thread` tokio
+//! runtime inside a `LocalSet`, plus interop with the official Python client.
+//!
+//! Run with `cargo xtask test` (or `cargo xtask broker start` and then
+//! `cargo test --test smoke_pulsar` with PULSAR_DISPATCHER_PYTHON set).
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use pulsar::consumer::InitialPosition;
+use pulsar::{producer, Consumer, ConsumerOptions, Pulsar, SubType, TokioExecutor};
+use serde_json::{json, Value};
+
+use common::{
+    client, interop_script, now_millis, pulsar_url, python, run_local, subscription_stats,
+    unique_name, unique_topic, wait_for_stats,
+};
+
+type Client = Pulsar<TokioExecutor>;
+type Msg = pulsar::consumer::Message<Vec<u8>>;
+
+const TEST_LIMIT: Duration = Duration::from_secs(60);
+const RECEIVE_LIMIT: Duration = Duration::from_secs(10);
+
+/// A Shared consumer with the given receiver queue size, which the crate
+/// also needs as its flow-permit batch size to really bound prefetching.
+async fn shared_consumer(
+    client: &Client,
+    topic: &str,
+    subscription: &str,
+    queue: u32,
+) -> Consumer<Vec<u8>, TokioExecutor> {
+    client
+        .consumer()
+        .with_topic(topic)
+        .with_subscription(subscription)
+        .with_subscription_type(SubType::Shared)
+        .with_batch_size(queue)
+        .with_options(
+            ConsumerOptions::default()
+                .with_receiver_queue_size(queue)
+                .with_initial_position(InitialPosition::Earliest),
+        )
+        .build()
+        .await
+        .unwrap_or_else(|e| panic!("subscribing {subscription} to {topic}: {e}"))
+}
+
+/// The next message, or `None` if none arrives within `limit`.
+async fn receive_within(
+    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    limit: Duration,
+) -> Option<Msg> {
+    match tokio::time::timeout(limit, consumer.try_next()).await {
+        Ok(Ok(Some(msg))) => Some(msg),
+        Ok(Ok(None)) => panic!("consumer stream ended"),
+        Ok(Err(e)) => panic!("consumer error: {e}"),
+        Err(_) => None,
+    }
+}
+
+async fn receive(consumer: &mut Consumer<Vec<u8>, TokioExecutor>, what: &str) -> Msg {
+    receive_within(consumer, RECEIVE_LIMIT)
+        .await
+        .unwrap_or_else(|| panic!("no message within {RECEIVE_LIMIT:?} ({what})"))
+}
+
+fn text(msg: &Msg) -> String {
+    String::from_utf8(msg.payload.data.clone()).expect("UTF-8 payload")
+}
+
+fn properties(msg: &Msg) -> BTreeMap<String, String> {
+    msg.payload
+        .metadata
+        .properties
+        .iter()
+        .map(|kv| (kv.key.clone(), kv.value.clone()))
+        .collect()
+}
+
+/// Sends and waits for the broker's receipt.
+async fn send(producer: &mut producer::Producer<TokioExecutor>, message: producer::Message) {
+    producer
+        .send_non_blocking(message)
+        .await
+        .expect("queueing a message")
+        .await
+        .expect("broker receipt");
+}
+
+fn plain(payload: &str) -> producer::Message {
+    producer::Message {
+        payload: payload.as_bytes().to_vec(),
+        ..Default::default()
+    }
+}
+
+/// Runs a script of tests/interop with the test virtualenv's Python, passing
+/// `request` as JSON on stdin, and returns the JSON of its `RESULT` line.
+/// Runs on tokio's blocking pool so the runtime's tasks keep running.
+async fn run_interop(script: &str, request: Value) -> Value {
+    let script = interop_script(script);
+    let python = python();
+    tokio::task::spawn_blocking(move || {
+        let mut child = Command::new(&python)
+            .arg(&script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("running {} {}: {e}", python.display(), script.display()));
+        {
+            use std::io::Write;
+            let mut stdin = child.stdin.take().expect("piped stdin");
+            stdin
+                .write_all(request.to_string().as_bytes())
+                .expect("writing the request");
+        }
+        let out = child.wait_with_output().expect("waiting for python");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "{} failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            script.display(),
+            out.status
+        );
+        let line = stdout
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix("RESULT "))
+            .unwrap_or_else(|| panic!("no RESULT line from {}:\n{stdout}", script.display()));
+        serde_json::from_str(line).expect("RESULT is JSON")
+    })
+    .await
+    .expect("python runner thread")
+}
+
+/// Shared subscription, receiver queue of one: messages arrive in order, an
+/// acked message is gone, a nacked one comes back at once (the crate sends
+/// RedeliverUnacknowledgedMessages immediately; there is no nack delay), and
+/// once everything is acked the broker's backlog is empty.
+#[test]
+fn shared_subscription_ack_and_nack_with_receiver_queue_of_one() {
+    run_local(TEST_LIMIT, async {
+        let client = client().await;
+        let topic = unique_topic("smoke-ack-nack");
+        let sub = unique_name("sub");
+        let mut consumer = shared_consumer(&client, &topic, &sub, 1).await;
+        let mut producer = client.producer().with_topic(&topic).build().await.unwrap();
+        for i in 0..3 {
+            send(&mut producer, plain(&format!("m{i}"))).await;
+        }
+
+        let first = receive(&mut consumer, "m0").await;
+        assert_eq!(text(&first), "m0");
+        consumer.ack(&first).await.unwrap();
+
+        let second = receive(&mut consumer, "m1").await;
+        assert_eq!(text(&second), "m1");
+        let nacked_id = second.message_id.id.clone();
+        consumer.nack(&second).await.unwrap();
+        let nacked_at = Instant::now();
+
+        // m2 may already sit in the crate's queue, so it can come before the
+        // redelivered m1.
+        let mut redelivered_after = None;
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            let msg = receive(&mut consumer, "the redelivered m1 and m2").await;
+            let payload = text(&msg);
+            if payload == "m1" {
+                redelivered_after = Some(nacked_at.elapsed());
+                assert_eq!(
+                    (msg.message_id.id.ledger_id, msg.message_id.id.entry_id),
+                    (nacked_id.ledger_id, nacked_id.entry_id),
+                    "the redelivered m1 must be the same message"
+                );
+            }
+            consumer.ack(&msg).await.unwrap();
+            seen.push(payload);
+        }
+        seen.sort();
+        assert_eq!(
+            seen,
+            ["m1", "m2"],
+            "after the nack: m1 again and m2, once each"
+        );
+        let redelivered_after = redelivered_after.expect("m1 redelivered");
+        assert!(
+            redelivered_after < Duration::from_secs(3),
+            "the nacked message took {redelivered_after:?} to come back"
+        );
+
+        // Nothing else is delivered.
+        assert!(
+            receive_within(&mut consumer, Duration::from_millis(500))
+                .await
+                .is_none(),
+            "no more messages expected"
+        );
+
+        let stats = wait_for_stats(&topic, &sub, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0 && s.unacked_messages == 0
+        })
+        .await;
+        assert_eq!(stats.msg_backlog, 0, "backlog after acking all: {stats:?}");
+        assert_eq!(
+            stats.unacked_messages, 0,
+            "unacked after acking all: {stats:?}"
+        );
+        assert!(
+            stats.msg_out_counter >= 4,
+            "3 messages + 1 redelivery dispatched, broker says {}",
+            stats.msg_out_counter
+        );
+        assert_eq!(stats.consumers, 1);
+        consumer.close().await.unwrap();
+    });
+}
+
+/// With receiver queue size 1, a consumer that is not polled holds only a
+/// few messages: the broker keeps the rest in the backlog. (The bound is
+/// larger than 1: the crate's queue channel holds 2 and its engine a third.)
+#[test]
+fn receiver_queue_of_one_bounds_what_an_idle_consumer_takes() {
+    run_local(TEST_LIMIT, async {
+        let client = client().await;
+        let topic = unique_topic("smoke-prefetch");
+        let sub = unique_name("sub");
+        let mut consumer = shared_consumer(&client, &topic, &sub, 1).await;
+        let mut producer = client.producer().with_topic(&topic).build().await.unwrap();
+        for i in 0..20 {
+            send(&mut producer, plain(&format!("m{i}"))).await;
+        }
+        // Let the consumer's tasks run (and take what they will) without
+        // polling the consumer stream.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let stats = subscription_stats(&topic, &sub);
+        eprintln!(
+            "idle consumer, queue 1: broker dispatched {} of 20 (unacked {})",
+            stats.msg_out_counter, stats.unacked_messages
+        );
+        assert!(
+            stats.msg_out_counter >= 1 && stats.msg_out_counter <= 4,
+            "an idle consumer with receiver queue 1 took {} of 20 messages",
+            stats.msg_out_counter
+        );
+        assert_eq!(stats.msg_backlog, 20);
+
+        // Draining works and every message arrives once, in order.
+        for i in 0..20 {
+            let msg = receive(&mut consumer, "drain").await;
+            assert_eq!(text(&msg), format!("m{i}"));
+            consumer.ack(&msg).await.unwrap();
+        }
+        let stats = wait_for_stats(&topic, &sub, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        assert_eq!(stats.msg_backlog, 0, "{stats:?}");
+        consumer.close().await.unwrap();
+    });
+}
+
+/// A message with `deliver_at_time` two seconds ahead is held back by the
+/// broker on a Shared subscription (while a plain message sent after it
+/// arrives at once), and is delivered no earlier than its due time.
+#[test]
+fn deliver_at_time_holds_a_message_until_it_is_due() {
+    run_local(TEST_LIMIT, async {
+        let client = client().await;
+        let topic = unique_topic("smoke-deliver-at");
+        let sub = unique_name("sub");
+        let mut consumer = shared_consumer(&client, &topic, &sub, 1).await;
+        let mut producer = client.producer().with_topic(&topic).build().await.unwrap();
+
+        let sent_at = now_millis();
+        let deliver_at = sent_at + 2_000;
+        send(
+            &mut producer,
+            producer::Message {
+                deliver_at_time: Some(deliver_at as i64),
+                ..plain("delayed")
+            },
+        )
+        .await;
+        send(&mut producer, plain("immediate")).await;
+
+        // During the first 1.5 s only the plain message may arrive.
+        let window_end = sent_at + 1_500;
+        let mut got_immediate = false;
+        loop {
+            let now = now_millis();
+            if now >= window_end {
+                break;
+            }
+            if let Some(msg) =
+                receive_within(&mut consumer, Duration::from_millis(window_end - now)).await
+            {
+                let at = now_millis();
+                assert_eq!(
+                    text(&msg),
+                    "immediate",
+                    "the delayed message arrived {} ms before it was due",
+                    deliver_at as i64 - at as i64
+                );
+                got_immediate = true;
+                consumer.ack(&msg).await.unwrap();
+            }
+        }
+        assert!(
+            got_immediate,
+            "the plain message did not arrive within 1.5 s"
+        );
+
+        let msg = receive(&mut consumer, "the delayed message").await;
+        let received_at = now_millis();
+        assert_eq!(text(&msg), "delayed");
+        assert!(
+            received_at >= deliver_at,
+            "delivered {} ms early",
+            deliver_at - received_at
+        );
+        eprintln!(
+            "delayed message: due at +2000 ms, received at +{} ms",
+            received_at - sent_at
+        );
+        consumer.ack(&msg).await.unwrap();
+        consumer.close().await.unwrap();
+    });
+}
+
+/// What the interop tests send: varied properties, keys and event times,
+/// plus one message with none of them.
+fn interop_messages(tag: &str) -> Vec<Value> {
+    let base_time = 1_700_000_000_000u64;
+    let mut messages: Vec<Value> = (0..4)
+        .map(|i| {
+            json!({
+                "payload": format!("{tag}-{i} ünïcödé"),
+                "properties": {"index": i.to_string(), "origin": tag, "empty": ""},
+                "partition_key": format!("pk-{}", i % 2),
+                "ordering_key": format!("ok-{i}"),
+                "event_timestamp": base_time + i,
+            })
+        })
+        .collect();
+    messages.push(json!({"payload": format!("{tag}-bare")}));
+    messages
+}
+
+fn expected_properties(spec: &Value) -> BTreeMap<String, String> {
+    spec.get("properties")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn python_to_rust(batching: bool) {
+    let client = client().await;
+    let topic = unique_topic(if batching {
+        "interop-py-batched"
+    } else {
+        "interop-py"
+    });
+    let sub = unique_name("sub");
+    let mut consumer = shared_consumer(&client, &topic, &sub, 10).await;
+    let specs = interop_messages(if batching { "pyb" } else { "py" });
+    let result = run_interop(
+        "produce.py",
+        json!({
+            "service_url": pulsar_url(),
+            "topic": topic,
+            "batching": batching,
+            "messages": specs,
+        }),
+    )
+    .await;
+    assert_eq!(result["sent"], specs.len());
+
+    let mut by_payload: HashMap<String, Msg> = HashMap::new();
+    for _ in 0..specs.len() {
+        let msg = receive(&mut consumer, "a message from Python").await;
+        consumer.ack(&msg).await.unwrap();
+        by_payload.insert(text(&msg), msg);
+    }
+    for spec in &specs {
+        let payload = spec["payload"].as_str().unwrap();
+        let msg = by_payload
+            .get(payload)
+            .unwrap_or_else(|| panic!("{payload:?} not received"));
+        let meta = &msg.payload.metadata;
+        assert_eq!(
+            properties(msg),
+            expected_properties(spec),
+            "properties of {payload:?}"
+        );
+        assert_eq!(
+            meta.partition_key.as_deref(),
+            spec["partition_key"].as_str(),
+            "partition key of {payload:?}"
+        );
+        assert_eq!(
+            meta.ordering_key.as_deref(),
+            spec["ordering_key"].as_str().map(str::as_bytes),
+            "ordering key of {payload:?}"
+        );
+        assert_eq!(
+            meta.event_time,
+            spec["event_timestamp"].as_u64(),
+            "event time of {payload:?}"
+        );
+        if batching {
+            assert!(
+                meta.num_messages_in_batch.is_some(),
+                "{payload:?} should have come in a batch"
+            );
+        }
+    }
+    let stats = wait_for_stats(&topic, &sub, Duration::from_secs(10), |s| {
+        s.msg_backlog == 0
+    })
+    .await;
+    assert_eq!(stats.msg_backlog, 0, "{stats:?}");
+    consumer.close().await.unwrap();
+}
+
+/// Messages published by the official Python client (one per entry) reach
+/// the Rust consumer with payload, properties, partition key, ordering key
+/// and event time intact.
+#[test]
+fn python_producer_to_rust_consumer_keeps_metadata() {
+    run_local(TEST_LIMIT, python_to_rust(false));
+}
+
+/// The same through Python's batching producer: the crate splits the batch
+/// and gives each message its own metadata.
+#[test]
+fn python_batching_producer_to_rust_consumer_keeps_metadata() {
+    run_local(TEST_LIMIT, python_to_rust(true));
+}
+
+/// Messages published by the `pulsar` crate reach the official Python client
+/// with payload, properties, partition key, ordering key and event time intact.
+#[test]
+fn rust_producer_to_python_consumer_keeps_metadata() {
+    run_local(TEST_LIMIT, async {
+        let client = client().await;
+        let topic = unique_topic("interop-rs");
+        let specs = interop_messages("rs");
+        let mut producer = client.producer().with_topic(&topic).build().await.unwrap();
+        for spec in &specs {
+            let message = producer::Message {
+                payload: spec["payload"].as_str().unwrap().as_bytes().to_vec(),
+                properties: expected_properties(spec).into_iter().collect(),
+                partition_key: spec["partition_key"].as_str().map(str::to_string),
+                ordering_key: spec["ordering_key"].as_str().map(|k| k.as_bytes().to_vec()),
+                event_time: spec["event_timestamp"].as_u64(),
+                ..Default::default()
+            };
+            send(&mut producer, message).await;
+        }
+
+        let sub = unique_name("py-sub");
+        let result = run_interop(
+            "consume.py",
+            json!({
+                "service_url": pulsar_url(),
+                "topic": topic,
+                "subscription": sub,
+                "count": specs.len(),
+                "timeout_ms": 20_000,
+            }),
+        )
+        .await;
+        let received = result["messages"].as_array().expect("messages array");
+        assert_eq!(received.len(), specs.len());
+        for (spec, got) in specs.iter().zip(received) {
+            let payload = spec["payload"].as_str().unwrap();
+            assert_eq!(got["payload"], spec["payload"], "payload (in order)");
+            let props: BTreeMap<String, String> =
+                serde_json::from_value(got["properties"].clone()).unwrap();
+            assert_eq!(
+                props,
+                expected_properties(spec),
+                "properties of {payload:?}"
+            );
+            assert_eq!(
+                got["partition_key"], spec["partition_key"],
+                "partition key of {payload:?}"
+            );
+            assert_eq!(
+                got["ordering_key"], spec["ordering_key"],
+                "ordering key of {payload:?}"
+            );
+            // The Python client reports 0 for "no event time".
+            assert_eq!(
+                got["event_timestamp"].as_u64().unwrap(),
+                spec["event_timestamp"].as_u64().unwrap_or(0),
+                "event time of {payload:?}"
+            );
+            assert_eq!(got["redelivery_count"], 0);
+            assert_eq!(got["topic"].as_str(), Some(topic.as_str()));
+        }
+        let stats = wait_for_stats(&topic, &sub, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        assert_eq!(stats.msg_backlog, 0, "Python acked everything: {stats:?}");
+    });
+}

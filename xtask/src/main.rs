@@ -1,0 +1,298 @@
+//! The project's task runner: `cargo xtask <command>`.
+//!
+//! Deliberately std-only so that it compiles in seconds on a fresh machine.
+
+mod broker;
+mod http;
+mod setup;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, ExitStatus};
+
+use broker::BrokerAddr;
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  test [ARGS...]   install what is missing (protoc, Python venv, broker jars), start a
+                   Pulsar broker unless one answers, run every test
+                   (`cargo test --workspace --all-targets --no-fail-fast`, then
+                   `cargo test --workspace --doc`), stop the broker it started.
+                   With ARGS, runs `cargo test ARGS` instead of both
+                   (e.g. `cargo xtask test --test smoke_pulsar`).
+  lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings
+  demo             start a broker if needed and run `cargo run --example simple_dispatcher`
+  broker start     start the standalone broker (returns once it answers)
+  broker stop      stop the broker that `broker start` started
+  broker status    tell whether a broker answers (exit code 0) or not (1)
+
+environment:
+  PULSAR_URL                 broker service URL (default pulsar://127.0.0.1:6650)
+  PULSAR_WEB_URL             broker admin/web URL (default http://<PULSAR_URL host>:8080)
+  PULSAR_START_TIMEOUT_SECS  how long `broker start` waits for the broker (default 180)
+  PULSAR_JAVA_OPTS           extra JVM options for the broker
+  JAVA_HOME                  Java 17+ to run the broker with (default: `java` on PATH)
+";
+
+/// Paths of the workspace that xtask reads and writes.
+pub struct Paths {
+    pub root: PathBuf,
+    pub target: PathBuf,
+    pub pid_file: PathBuf,
+    pub log_file: PathBuf,
+    pub data_dir: PathBuf,
+    pub broker_pom: PathBuf,
+    pub broker_conf: PathBuf,
+}
+
+impl Paths {
+    fn new() -> Paths {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("xtask lives inside the workspace")
+            .to_path_buf();
+        let target = root.join("target");
+        Paths {
+            pid_file: target.join("pulsar.pid"),
+            log_file: target.join("pulsar.log"),
+            data_dir: target.join("pulsar-data"),
+            broker_pom: root.join("tests/broker/pom.xml"),
+            broker_conf: root.join("tests/broker/standalone.conf"),
+            root,
+            target,
+        }
+    }
+}
+
+pub fn info(msg: &str) {
+    eprintln!("[xtask] {msg}");
+}
+
+fn describe(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for arg in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&arg.to_string_lossy());
+    }
+    s
+}
+
+/// Runs a command with inherited stdio and returns its exit status.
+pub fn run_status(cmd: &mut Command) -> Result<ExitStatus, String> {
+    cmd.status()
+        .map_err(|e| format!("cannot run `{}`: {e}", describe(cmd)))
+}
+
+/// Runs a command with inherited stdio; an unsuccessful exit is an error.
+pub fn run_checked(cmd: &mut Command) -> Result<(), String> {
+    let status = run_status(cmd)?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("`{}` failed ({status})", describe(cmd)))
+    }
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let paths = Paths::new();
+    let result = match args.first().map(String::as_str) {
+        Some("test") => cmd_test(&paths, &args[1..]),
+        Some("lint") => cmd_lint(&paths),
+        Some("demo") => cmd_demo(&paths),
+        Some("broker") => match args.get(1).map(String::as_str) {
+            Some("start") => cmd_broker_start(&paths),
+            Some("stop") => cmd_broker_stop(&paths),
+            Some("status") => cmd_broker_status(&paths),
+            _ => Err(format!("expected `broker start|stop|status`\n\n{USAGE}")),
+        },
+        Some("help" | "-h" | "--help") => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        _ => Err(format!("unknown or missing command\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("[xtask] error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cmd_broker_start(paths: &Paths) -> Result<(), String> {
+    let addr = BrokerAddr::from_env()?;
+    if let Some(started) = broker::ensure_running(paths, &addr)? {
+        started.detach();
+        info(&format!(
+            "pid {} in {}; stop it with `cargo xtask broker stop`",
+            broker::read_pid(&paths.pid_file).unwrap_or_default(),
+            paths.pid_file.display()
+        ));
+    }
+    println!("{}", addr.service_url);
+    Ok(())
+}
+
+fn cmd_broker_stop(paths: &Paths) -> Result<(), String> {
+    let Some(pid) = broker::read_pid(&paths.pid_file) else {
+        info(&format!(
+            "no broker started by xtask ({} does not exist); nothing to stop",
+            paths.pid_file.display()
+        ));
+        return Ok(());
+    };
+    if !broker::is_running(pid) || !broker::is_pulsar_standalone(pid) {
+        info(&format!(
+            "pid {pid} from {} is not a running Pulsar standalone broker; removing the stale file",
+            paths.pid_file.display()
+        ));
+        let _ = std::fs::remove_file(&paths.pid_file);
+        return Ok(());
+    }
+    info(&format!("stopping the Pulsar broker (pid {pid})"));
+    broker::stop_process(pid, None)?;
+    let _ = std::fs::remove_file(&paths.pid_file);
+    Ok(())
+}
+
+fn cmd_broker_status(paths: &Paths) -> Result<(), String> {
+    let addr = BrokerAddr::from_env()?;
+    let ours = broker::read_pid(&paths.pid_file).map(|pid| {
+        let alive = broker::is_running(pid) && broker::is_pulsar_standalone(pid);
+        (pid, alive)
+    });
+    match ours {
+        Some((pid, true)) => println!("xtask's broker process: running, pid {pid}"),
+        Some((pid, false)) => println!(
+            "xtask's broker process: not running (stale pid {pid} in {})",
+            paths.pid_file.display()
+        ),
+        None => println!("xtask's broker process: none"),
+    }
+    match broker::probe(&addr) {
+        Ok(()) => {
+            let version = broker::version(&addr).unwrap_or_else(|| "unknown".into());
+            println!(
+                "broker answers: {} (web {}), version {version}",
+                addr.service_url, addr.web_url
+            );
+            Ok(())
+        }
+        Err(e) => {
+            println!(
+                "no broker answers at {} (web {}): {e}",
+                addr.service_url, addr.web_url
+            );
+            Err("broker not answering".into())
+        }
+    }
+}
+
+fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
+    setup::ensure_protoc()?;
+    let python = setup::ensure_python_env(paths)?;
+    let addr = BrokerAddr::from_env()?;
+    // Dropping `started` stops the broker, on every way out of this function.
+    let started = broker::ensure_running(paths, &addr)?;
+
+    let env = [
+        ("PULSAR_URL", addr.service_url.clone()),
+        ("PULSAR_WEB_URL", addr.web_url.clone()),
+        ("PULSAR_DISPATCHER_PYTHON", python.display().to_string()),
+    ];
+    let mut failures = Vec::new();
+    let mut tests = cargo();
+    tests.arg("test");
+    if extra.is_empty() {
+        tests.args(["--workspace", "--all-targets", "--no-fail-fast"]);
+    } else {
+        tests.args(extra);
+    }
+    tests.current_dir(&paths.root).envs(env.clone());
+    let what = describe(&tests);
+    info(&format!("running {what}"));
+    if !run_status(&mut tests)?.success() {
+        failures.push(what);
+    }
+    if extra.is_empty() {
+        let mut doc = cargo();
+        doc.args(["test", "--workspace", "--doc"])
+            .current_dir(&paths.root)
+            .envs(env);
+        info("running cargo test --workspace --doc");
+        if !run_status(&mut doc)?.success() {
+            failures.push("cargo test --workspace --doc".to_string());
+        }
+    }
+
+    if let Some(started) = started {
+        started.stop()?;
+    }
+    if failures.is_empty() {
+        info("all tests passed");
+        Ok(())
+    } else {
+        Err(format!("failed: {}", failures.join("; ")))
+    }
+}
+
+fn cmd_lint(paths: &Paths) -> Result<(), String> {
+    let mut failures = Vec::new();
+    let mut fmt = cargo();
+    fmt.args(["fmt", "--all", "--check"]);
+    let mut clippy = cargo();
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    let mut doc = cargo();
+    doc.args(["doc", "--no-deps", "--workspace"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    for cmd in [&mut fmt, &mut clippy, &mut doc] {
+        cmd.current_dir(&paths.root);
+        let what = describe(cmd);
+        info(&format!("running {what}"));
+        if !run_status(cmd)?.success() {
+            failures.push(what);
+        }
+    }
+    if failures.is_empty() {
+        info("lint passed");
+        Ok(())
+    } else {
+        Err(format!("lint failed: {}", failures.join("; ")))
+    }
+}
+
+fn cmd_demo(paths: &Paths) -> Result<(), String> {
+    setup::ensure_protoc()?;
+    let addr = BrokerAddr::from_env()?;
+    let started = broker::ensure_running(paths, &addr)?;
+    let messages = std::env::var("DEMO_MESSAGES").unwrap_or_else(|_| "30".into());
+    let mut run = cargo();
+    run.args(["run", "--example", "simple_dispatcher"])
+        .current_dir(&paths.root)
+        .env("PULSAR_URL", &addr.service_url)
+        .env("PULSAR_WEB_URL", &addr.web_url)
+        .env("DEMO_MESSAGES", messages);
+    let status = run_status(&mut run)?;
+    if let Some(started) = started {
+        started.stop()?;
+    }
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("the demo failed ({status})"))
+    }
+}
