@@ -1,0 +1,2 @@
+//! The comparison run behind `cargo xtask bench`.
+fn main() {}
