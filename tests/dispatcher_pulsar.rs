@@ -1,0 +1,324 @@
+//! The dispatcher against a real Apache Pulsar broker: delivery, redelivery,
+//! backpressure down to the broker, and shutdown under load.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::convert::Infallible;
+use std::rc::Rc;
+use std::time::Duration;
+
+use common::{client, pulsar_url, run_local, unique_name, unique_topic, wait_for_stats};
+use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
+use tokio::sync::Notify;
+
+async fn produce(topic: &str, payloads: impl IntoIterator<Item = String>) {
+    let client = client().await;
+    let mut producer = client
+        .producer()
+        .with_topic(topic)
+        .build()
+        .await
+        .expect("producer");
+    // Bounded in flight: the crate fails fast once its outbound queue fills.
+    let mut receipts = Vec::new();
+    for payload in payloads {
+        receipts.push(
+            producer
+                .send_non_blocking(payload.into_bytes())
+                .await
+                .expect("send"),
+        );
+        if receipts.len() == 50 {
+            for receipt in receipts.drain(..) {
+                receipt.await.expect("receipt");
+            }
+        }
+    }
+    for receipt in receipts {
+        receipt.await.expect("receipt");
+    }
+}
+
+fn shared(subscription: &str, priority: i64) -> SubscribeOptions {
+    SubscribeOptions::new()
+        .priority(priority)
+        .subscription(subscription)
+        .subscription_type(SubType::Shared)
+        .negative_ack_redelivery_delay(Duration::from_millis(200))
+}
+
+type Seen = Rc<RefCell<Vec<(String, String)>>>;
+
+fn recording(seen: &Seen) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
+    let seen = seen.clone();
+    async move |message: &Message| {
+        seen.borrow_mut().push((
+            message.topic().to_owned(),
+            String::from_utf8(message.payload().to_vec()).unwrap(),
+        ));
+        Ok(())
+    }
+}
+
+async fn wait_until(what: &str, limit: Duration, done: impl Fn() -> bool) {
+    let start = tokio::time::Instant::now();
+    while !done() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn every_message_of_several_prioritised_topics_is_processed_and_acked_once() {
+    run_local(Duration::from_secs(90), async {
+        let subscription = unique_name("sub");
+        let topics: Vec<String> = (0..3).map(|i| unique_topic(&format!("prio{i}"))).collect();
+        for topic in &topics {
+            produce(topic, (0..20).map(|n| n.to_string())).await;
+        }
+        let dispatcher = Rc::new(
+            Dispatcher::builder()
+                .concurrency(4)
+                .connect(&pulsar_url())
+                .await
+                .unwrap(),
+        );
+        let seen = Seen::default();
+        for (priority, topic) in topics.iter().enumerate() {
+            let options = shared(&subscription, priority as i64 * 10).consumer_options(
+                pulsar::ConsumerOptions::default()
+                    .with_initial_position(pulsar::consumer::InitialPosition::Earliest),
+            );
+            dispatcher
+                .subscribe(topic, recording(&seen), options)
+                .await
+                .unwrap();
+        }
+        let runner = dispatcher.clone();
+        let run = tokio::task::spawn_local(async move { runner.run().await });
+        wait_until("60 messages", Duration::from_secs(30), || {
+            seen.borrow().len() >= 60
+        })
+        .await;
+        for topic in &topics {
+            let stats = wait_for_stats(topic, &subscription, Duration::from_secs(10), |s| {
+                s.msg_backlog == 0
+            })
+            .await;
+            assert_eq!(stats.msg_backlog, 0, "{topic} left unacked messages");
+        }
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+
+        let mut per_topic: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+        for (topic, payload) in seen.borrow().iter() {
+            let topic = topics.iter().find(|t| *t == topic).expect("a known topic");
+            per_topic
+                .entry(topic)
+                .or_default()
+                .push(payload.parse().unwrap());
+        }
+        for topic in &topics {
+            let mut payloads = per_topic.remove(topic.as_str()).unwrap_or_default();
+            payloads.sort_unstable();
+            assert_eq!(
+                payloads,
+                (0..20).collect::<Vec<_>>(),
+                "{topic}: each exactly once"
+            );
+        }
+    });
+}
+
+#[test]
+fn a_failed_message_is_redelivered_after_the_negative_ack_delay() {
+    run_local(Duration::from_secs(60), async {
+        let topic = unique_topic("redeliver");
+        let subscription = unique_name("sub");
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let attempts: Rc<RefCell<Vec<(String, std::time::Instant)>>> = Rc::default();
+        let record = attempts.clone();
+        dispatcher
+            .subscribe(
+                &topic,
+                async move |message: &Message| {
+                    let payload = String::from_utf8(message.payload().to_vec()).unwrap();
+                    let first = !record.borrow().iter().any(|(p, _)| *p == payload);
+                    record
+                        .borrow_mut()
+                        .push((payload, std::time::Instant::now()));
+                    if first {
+                        Err("first attempt fails")
+                    } else {
+                        Ok(())
+                    }
+                },
+                shared(&subscription, 1),
+            )
+            .await
+            .unwrap();
+        let runner = dispatcher.clone();
+        let run = tokio::task::spawn_local(async move { runner.run().await });
+        produce(&topic, ["a".to_owned(), "b".to_owned()]).await;
+        wait_until("two attempts each", Duration::from_secs(20), || {
+            attempts.borrow().len() >= 4
+        })
+        .await;
+        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(stats.msg_backlog, 0);
+        for payload in ["a", "b"] {
+            let times: Vec<_> = attempts
+                .borrow()
+                .iter()
+                .filter(|(p, _)| p == payload)
+                .map(|(_, t)| *t)
+                .collect();
+            assert_eq!(times.len(), 2, "{payload}: failed once, then succeeded");
+            assert!(
+                times[1] - times[0] >= Duration::from_millis(200),
+                "{payload} came back before the negative-ack delay"
+            );
+        }
+    });
+}
+
+#[test]
+fn with_a_slow_handler_the_backlog_stays_on_the_broker() {
+    run_local(Duration::from_secs(60), async {
+        let topic = unique_topic("backpressure");
+        let subscription = unique_name("sub");
+        let dispatcher = Rc::new(
+            Dispatcher::builder()
+                .concurrency(1)
+                .connect(&pulsar_url())
+                .await
+                .unwrap(),
+        );
+        let release = Rc::new(Notify::new());
+        let released = Rc::new(std::cell::Cell::new(false));
+        let handled = Rc::new(std::cell::Cell::new(0usize));
+        let (gate, open, count) = (release.clone(), released.clone(), handled.clone());
+        dispatcher
+            .subscribe(
+                &topic,
+                async move |_: &Message| {
+                    while !open.get() {
+                        gate.notified().await;
+                    }
+                    count.set(count.get() + 1);
+                    Ok::<_, Infallible>(())
+                },
+                shared(&subscription, 1),
+            )
+            .await
+            .unwrap();
+        let runner = dispatcher.clone();
+        let run = tokio::task::spawn_local(async move { runner.run().await });
+        produce(&topic, (0..50).map(|n| n.to_string())).await;
+        // Give the client every chance to prefetch, then look at the broker.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let stats = wait_for_stats(&topic, &subscription, Duration::ZERO, |_| true).await;
+        assert_eq!(stats.msg_backlog, 50, "nothing acked yet");
+        assert!(
+            stats.msg_out_counter <= 6,
+            "the broker dispatched {} of 50 messages to a consumer whose handler is stuck",
+            stats.msg_out_counter
+        );
+        released.set(true);
+        release.notify_waiters();
+        wait_until("all handled", Duration::from_secs(30), || {
+            handled.get() >= 50
+        })
+        .await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn shutdown_under_load_loses_nothing() {
+    run_local(Duration::from_secs(120), async {
+        let topic = unique_topic("shutdown");
+        let subscription = unique_name("sub");
+        let total = 200;
+        produce(&topic, (0..total).map(|n| n.to_string())).await;
+        let processed: Rc<RefCell<Vec<u32>>> = Rc::default();
+        let options = || {
+            shared(&subscription, 1)
+                .receiver_queue_size(20)
+                .consumer_options(
+                    pulsar::ConsumerOptions::default()
+                        .with_initial_position(pulsar::consumer::InitialPosition::Earliest),
+                )
+        };
+        let slow_recorder = || {
+            let processed = processed.clone();
+            async move |message: &Message| {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                let n = String::from_utf8_lossy(message.payload()).parse().unwrap();
+                processed.borrow_mut().push(n);
+                Ok::<_, Infallible>(())
+            }
+        };
+
+        let first = Rc::new(
+            Dispatcher::builder()
+                .concurrency(8)
+                .connect(&pulsar_url())
+                .await
+                .unwrap(),
+        );
+        first
+            .subscribe(&topic, slow_recorder(), options())
+            .await
+            .unwrap();
+        let runner = first.clone();
+        let run = tokio::task::spawn_local(async move { runner.run().await });
+        wait_until("some progress", Duration::from_secs(30), || {
+            processed.borrow().len() >= 40
+        })
+        .await;
+        first.close().await;
+        run.await.unwrap().unwrap();
+        let by_first = processed.borrow().len();
+        assert!(
+            by_first < total as usize,
+            "the first dispatcher was stopped mid-way"
+        );
+
+        let second = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        second
+            .subscribe(&topic, slow_recorder(), options())
+            .await
+            .unwrap();
+        let runner = second.clone();
+        let run = tokio::task::spawn_local(async move { runner.run().await });
+        wait_until("the rest", Duration::from_secs(60), || {
+            processed.borrow().iter().collect::<BTreeSet<_>>().len() >= total as usize
+        })
+        .await;
+        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        second.close().await;
+        run.await.unwrap().unwrap();
+
+        let all: BTreeSet<u32> = processed.borrow().iter().copied().collect();
+        assert_eq!(all, (0..total).collect(), "every message was processed");
+        assert_eq!(stats.msg_backlog, 0);
+        assert_eq!(
+            processed.borrow().len(),
+            total as usize,
+            "a message acked before shutdown came back: {:?}",
+            processed.borrow()
+        );
+    });
+}
