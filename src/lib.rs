@@ -1,7 +1,94 @@
 //! Priority dispatch of Apache Pulsar messages to async handlers, on one
 //! thread.
 //!
-//! placeholder crate docs
+//! A [`Dispatcher`] consumes any number of Pulsar topics, each with its own
+//! async handler and an integer priority, and runs the handlers on the
+//! current thread:
+//!
+//! - **Priority**: when a handler may start, the waiting message with the
+//!   lowest priority value goes first; subscriptions of equal priority take
+//!   turns. Priority is decided when capacity frees up, and a running
+//!   handler is never preempted.
+//! - **Backpressure per subscription**: each subscription holds at most one
+//!   message waiting for dispatch, and its reader asks the broker for the
+//!   next one only when that slot is empty. With the default receiver queue
+//!   of 1, a slow subscription's backlog stays on the broker.
+//! - **One concurrency limit** across all subscriptions (20 by default).
+//! - **Automatic settlement**: a handler that returns `Ok` has its message
+//!   acknowledged; one that returns `Err` or panics has it negatively
+//!   acknowledged, after the subscription's negative-ack delay (60 s by
+//!   default, as in Pulsar's other clients).
+//! - **Graceful shutdown**: [`Dispatcher::close`] stops receiving, still
+//!   dispatches what was queued, waits for running handlers, and closes the
+//!   connection.
+//!
+//! The dispatcher is `!Send` by design: it keeps its state in `Rc` and
+//! `Cell`, runs one `spawn_local` task per message, and must live in a
+//! [`tokio::task::LocalSet`] on a runtime with time enabled. To use several
+//! cores, run one dispatcher per core.
+//!
+//! # Quick start
+//!
+//! ```no_run
+//! use std::convert::Infallible;
+//! use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
+//!
+//! async fn process_order(message: &Message) -> Result<(), Infallible> {
+//!     println!("order {}", String::from_utf8_lossy(message.payload()));
+//!     Ok(())
+//! }
+//!
+//! #[tokio::main(flavor = "current_thread")]
+//! async fn main() -> Result<(), pulsar_dispatcher::Error> {
+//!     tokio::task::LocalSet::new()
+//!         .run_until(async {
+//!             let dispatcher = Dispatcher::builder()
+//!                 .concurrency(20)
+//!                 .connect("pulsar://127.0.0.1:6650")
+//!                 .await?;
+//!             dispatcher
+//!                 .subscribe(
+//!                     "orders",
+//!                     process_order,
+//!                     SubscribeOptions::new()
+//!                         .priority(5)
+//!                         .subscription("orders-sub")
+//!                         .subscription_type(SubType::Shared),
+//!                 )
+//!                 .await?;
+//!             dispatcher
+//!                 .subscribe(
+//!                     "payments",
+//!                     async |message: &Message| {
+//!                         if message.payload().is_empty() {
+//!                             return Err("empty payment");
+//!                         }
+//!                         Ok(())
+//!                     },
+//!                     SubscribeOptions::new().priority(10).subscription("payments-sub"),
+//!                 )
+//!                 .await?;
+//!             let closer = dispatcher.close_handle();
+//!             tokio::task::spawn_local(async move {
+//!                 tokio::signal::ctrl_c().await.ok();
+//!                 closer.close().await;
+//!             });
+//!             dispatcher.run().await
+//!         })
+//!         .await
+//! }
+//! ```
+//!
+//! # Layout
+//!
+//! - [`scheduler`]: the pure scheduler (priority buckets, slots, permits).
+//! - [`transport`]: the seam to the broker, with the Pulsar and in-memory
+//!   implementations.
+//! - The dispatcher itself: readers that own consumers, one task per
+//!   message that settles it, and the lifecycle that shuts everything down.
+//!
+//! `docs/architecture.md` in the repository walks through the data path and
+//! its invariants.
 #![warn(missing_docs)]
 
 mod dispatcher;
