@@ -16,14 +16,18 @@ use std::num::NonZeroUsize;
 use std::rc::Rc;
 
 use futures::future::LocalBoxFuture;
-use pulsar::{PulsarBuilder, TokioExecutor};
+use pulsar::{PulsarBuilder, SubType, TokioExecutor};
 use tokio::sync::Notify;
 use tracing::{debug, error, info, warn};
 
 use crate::error::Error;
+use crate::family::{PriorityLevel, TopicFamily};
 use crate::message::Message;
-use crate::process::{HandlerError, HandlerTask, InFlight, IntoReply};
-use crate::reader::{self, Delivery, SubscriptionContext};
+use crate::process::{HandlerError, HandlerTask, InFlight, IntoReply, Outcome, Spawn};
+use crate::reader::{self, Delivery, SubscriptionContext, Verdict};
+use crate::routing::{
+    retry_topic_problems, DeadLetterTargets, RetryTopicCheck, Router, RoutingPolicy,
+};
 use crate::scheduler::Scheduler;
 use crate::subscription::SubscribeOptions;
 use crate::topic::full_topic_name;
@@ -74,12 +78,16 @@ impl Phase {
 #[derive(Clone, Debug)]
 pub struct DispatcherBuilder {
     concurrency: usize,
+    retry_topic_check: RetryTopicCheck,
+    dead_letter_targets: DeadLetterTargets,
 }
 
 impl Default for DispatcherBuilder {
     fn default() -> Self {
         DispatcherBuilder {
             concurrency: DEFAULT_CONCURRENCY,
+            retry_topic_check: RetryTopicCheck::default(),
+            dead_letter_targets: DeadLetterTargets::default(),
         }
     }
 }
@@ -89,6 +97,21 @@ impl DispatcherBuilder {
     /// (20 by default; zero is refused when the dispatcher is built).
     pub fn concurrency(mut self, limit: usize) -> Self {
         self.concurrency = limit;
+        self
+    }
+
+    /// What `run()` does about retry topics that nothing on this dispatcher
+    /// consumes, or that are consumed by subscriptions that ignore delays
+    /// (warn through `tracing` by default).
+    pub fn retry_topic_check(mut self, check: RetryTopicCheck) -> Self {
+        self.retry_topic_check = check;
+        self
+    }
+
+    /// Which dead letter topics a message's DEAD_LETTER_TOPIC property may
+    /// choose (by default only those of this dispatcher's subscriptions).
+    pub fn dead_letter_targets(mut self, targets: DeadLetterTargets) -> Self {
+        self.dead_letter_targets = targets;
         self
     }
 
@@ -122,13 +145,17 @@ impl DispatcherBuilder {
         let transport = PulsarTransport::from_builder(client)
             .await
             .map_err(Error::Connect)?;
-        Ok(Dispatcher::new(transport, concurrency))
+        Ok(Dispatcher::new(transport, concurrency, self))
     }
 
     /// A dispatcher over any transport, such as
     /// [`MemoryTransport`](crate::transport::MemoryTransport) in tests.
     pub fn build<T: Transport>(self, transport: T) -> Result<Dispatcher<T>, Error> {
-        Ok(Dispatcher::new(transport, self.checked_concurrency()?))
+        Ok(Dispatcher::new(
+            transport,
+            self.checked_concurrency()?,
+            self,
+        ))
     }
 
     fn checked_concurrency(&self) -> Result<NonZeroUsize, Error> {
@@ -157,13 +184,60 @@ pub struct Dispatcher<T: Transport = PulsarTransport> {
 /// A subscription registered before `run()`, with its consumer waiting for
 /// its reader.
 struct Registered<T: Transport> {
+    info: SubscriptionInfo,
     context: Rc<SubscriptionContext<T>>,
     consumer: Option<T::Consumer>,
+}
+
+/// What a dispatcher knows about one of its subscriptions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SubscriptionInfo {
+    /// The full topic name.
+    pub topic: String,
+    /// The subscription name, if one was given.
+    pub subscription: Option<String>,
+    /// The subscription type.
+    pub subscription_type: SubType,
+    /// The scheduling priority.
+    pub priority: i64,
+    /// The full name of the retry topic, if failures may be retried.
+    pub retry_topic: Option<String>,
+}
+
+/// A subscription checked and resolved, not yet created.
+struct Plan {
+    topic: String,
+    options: SubscribeOptions,
+    routing: RoutingPolicy,
+}
+
+impl Plan {
+    fn new(topic: &str, options: SubscribeOptions) -> Result<Self, Error> {
+        let topic = full_topic_name(topic)?;
+        let routing = options.routing_policy(&topic)?;
+        Ok(Plan {
+            topic,
+            options,
+            routing,
+        })
+    }
+
+    fn info(&self) -> SubscriptionInfo {
+        SubscriptionInfo {
+            topic: self.topic.clone(),
+            subscription: self.options.subscription.clone(),
+            subscription_type: self.options.subscription_type,
+            priority: self.options.priority,
+            retry_topic: self.routing.retry.as_ref().map(|retry| retry.topic.clone()),
+        }
+    }
 }
 
 /// State shared by the dispatcher, its readers and its handler tasks.
 pub(crate) struct Core<T: Transport> {
     transport: T,
+    router: Router<T>,
+    retry_topic_check: RetryTopicCheck,
     scheduler: RefCell<Scheduler<Delivery<T>>>,
     subscriptions: RefCell<Vec<Registered<T>>>,
     phase: Cell<Phase>,
@@ -185,10 +259,12 @@ impl Dispatcher<PulsarTransport> {
 }
 
 impl<T: Transport> Dispatcher<T> {
-    fn new(transport: T, concurrency: NonZeroUsize) -> Self {
+    fn new(transport: T, concurrency: NonZeroUsize, settings: DispatcherBuilder) -> Self {
         Dispatcher {
             core: Rc::new(Core {
                 transport,
+                router: Router::new(settings.dead_letter_targets),
+                retry_topic_check: settings.retry_topic_check,
                 scheduler: RefCell::new(Scheduler::new(concurrency)),
                 subscriptions: RefCell::default(),
                 phase: Cell::new(Phase::Idle),
@@ -205,14 +281,16 @@ impl<T: Transport> Dispatcher<T> {
 
     /// Subscribes `handler` to `topic`.
     ///
-    /// The handler receives each message by reference and returns
-    /// `Ok` to have it acknowledged or `Err` to have it negatively
-    /// acknowledged (after the subscription's negative-ack delay); a panic
-    /// counts as an error. Handlers never ack themselves.
+    /// The handler receives each message by reference and returns `Ok` to
+    /// have it acknowledged (after publishing its reply, if it returns one
+    /// and the options name a reply topic) or `Err`, which the options route
+    /// to a dead letter topic, a delayed retry or, by default, a negative
+    /// acknowledgement after the subscription's negative-ack delay. A panic
+    /// is always nacked. Handlers never ack themselves.
     ///
-    /// Fails if the options are invalid, if the broker refuses the
-    /// subscription, or if `run()` or `close()` has been called; a failed
-    /// call leaves nothing behind.
+    /// Fails if the options are invalid (the error names the option), if
+    /// the broker refuses the subscription, or if `run()` or `close()` has
+    /// been called; a failed call leaves nothing behind.
     pub async fn subscribe<F, R, E>(
         &self,
         topic: &str,
@@ -224,37 +302,62 @@ impl<T: Transport> Dispatcher<T> {
         R: IntoReply + 'static,
         E: Into<HandlerError> + 'static,
     {
-        let topic = full_topic_name(topic)?;
-        options.validate()?;
-        self.core.accepting_subscriptions(&topic)?;
-        let mut consumer = self
-            .core
-            .transport
-            .subscribe(&topic, &options)
+        let plan = Plan::new(topic, options)?;
+        self.core
+            .subscribe_all(vec![plan], Rc::new(HandlerTask::new(handler)))
             .await
-            .map_err(|source| Error::Subscribe {
-                topic: topic.clone(),
-                source,
-            })?;
-        // `run()` or `close()` may have been called while the broker answered.
-        if let Err(refused) = self.core.accepting_subscriptions(&topic) {
-            if let Err(error) = consumer.close().await {
-                warn!(%topic, %error, "closing a refused consumer failed");
-            }
-            return Err(refused);
+    }
+
+    /// Subscribes one handler to every topic of `family`, each at its
+    /// family priority, with `options` applied to all (their priority is
+    /// replaced by the family's, and with a retry sublevel each topic's
+    /// retry topic is its level's).
+    ///
+    /// Every rule is checked, and every consumer created, before any
+    /// subscription is registered: a call that fails leaves the dispatcher
+    /// unchanged.
+    pub async fn subscribe_family<L, S, F, R, E>(
+        &self,
+        family: &TopicFamily<L, S>,
+        handler: F,
+        options: SubscribeOptions,
+    ) -> Result<(), Error>
+    where
+        L: PriorityLevel,
+        S: PriorityLevel,
+        F: AsyncFn(&Message) -> Result<R, E> + 'static,
+        R: IntoReply + 'static,
+        E: Into<HandlerError> + 'static,
+    {
+        if family.has_retry_sublevel() && options.has_retry_topic() {
+            return Err(Error::InvalidOption {
+                option: "retry_topic",
+                reason: "a family takes either a retry sublevel or a retry topic, not both".into(),
+            });
         }
-        let key = self.core.scheduler().add_subscription(options.priority);
-        let context = SubscriptionContext::new(
-            key,
-            topic.into(),
-            Box::new(HandlerTask::new(handler)),
-            options.negative_ack_redelivery_delay,
-        );
-        self.core.subscriptions.borrow_mut().push(Registered {
-            context: Rc::new(context),
-            consumer: Some(consumer),
-        });
-        Ok(())
+        let plans = family
+            .topics()?
+            .into_iter()
+            .map(|member| {
+                let mut options = options.clone().priority(member.priority);
+                if let Some(retry_topic) = member.retry_topic {
+                    options = options.retry_topic(retry_topic);
+                }
+                Plan::new(&member.name, options)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.core
+            .subscribe_all(plans, Rc::new(HandlerTask::new(handler)))
+            .await
+    }
+
+    /// The registered subscriptions, in the order they were made.
+    pub fn subscriptions(&self) -> Vec<SubscriptionInfo> {
+        self.core
+            .contexts()
+            .iter()
+            .map(|registered| registered.info.clone())
+            .collect()
     }
 
     /// A handle that can close this dispatcher from any task on the same
@@ -368,6 +471,70 @@ impl<T: Transport> Core<T> {
         self.scheduler().release_permit();
     }
 
+    pub(crate) async fn route(
+        &self,
+        policy: &RoutingPolicy,
+        message: &Message,
+        outcome: Outcome,
+    ) -> Verdict {
+        self.router
+            .route(&self.transport, policy, message, outcome)
+            .await
+    }
+
+    /// Creates a consumer for every plan, then registers them all at once;
+    /// if any creation fails, or the dispatcher started or closed in the
+    /// meantime, closes what it created and registers nothing.
+    async fn subscribe_all(
+        &self,
+        plans: Vec<Plan>,
+        handler: Rc<dyn Spawn<T>>,
+    ) -> Result<(), Error> {
+        let Some(first) = plans.first() else {
+            return Ok(());
+        };
+        self.accepting_subscriptions(&first.topic)?;
+        let mut consumers = Vec::with_capacity(plans.len());
+        for plan in &plans {
+            match self.transport.subscribe(&plan.topic, &plan.options).await {
+                Ok(consumer) => consumers.push(consumer),
+                Err(source) => {
+                    close_consumers::<T>(consumers, "of a failed subscribe").await;
+                    return Err(Error::Subscribe {
+                        topic: plan.topic.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        if let Err(refused) = self.accepting_subscriptions(&first.topic) {
+            close_consumers::<T>(consumers, "of a refused subscribe").await;
+            return Err(refused);
+        }
+        for (plan, consumer) in plans.into_iter().zip(consumers) {
+            self.register(plan, handler.clone(), consumer);
+        }
+        Ok(())
+    }
+
+    fn register(&self, plan: Plan, handler: Rc<dyn Spawn<T>>, consumer: T::Consumer) {
+        let info = plan.info();
+        let key = self.scheduler().add_subscription(plan.options.priority);
+        self.router.register(&plan.routing);
+        let context = SubscriptionContext::new(
+            key,
+            plan.topic.into(),
+            handler,
+            plan.options.negative_ack_redelivery_delay,
+            plan.routing,
+        );
+        self.subscriptions.borrow_mut().push(Registered {
+            info,
+            context: Rc::new(context),
+            consumer: Some(consumer),
+        });
+    }
+
     fn contexts(&self) -> Ref<'_, Vec<Registered<T>>> {
         self.subscriptions.borrow()
     }
@@ -392,6 +559,7 @@ impl<T: Transport> Core<T> {
                 })
             }
         }
+        self.check_retry_topics()?;
         self.phase.set(Phase::Running);
         let consumers: Vec<_> = self
             .subscriptions
@@ -407,6 +575,25 @@ impl<T: Transport> Core<T> {
             .collect();
         info!(subscriptions = consumers.len(), "dispatcher running");
         tokio::task::spawn_local(self.clone().engine(consumers));
+        Ok(())
+    }
+
+    fn check_retry_topics(&self) -> Result<(), Error> {
+        if self.retry_topic_check == RetryTopicCheck::Ignore {
+            return Ok(());
+        }
+        let subscriptions: Vec<SubscriptionInfo> =
+            self.contexts().iter().map(|r| r.info.clone()).collect();
+        let problems = retry_topic_problems(&subscriptions);
+        if problems.is_empty() {
+            return Ok(());
+        }
+        if self.retry_topic_check == RetryTopicCheck::Refuse {
+            return Err(Error::RetryTopics(problems));
+        }
+        for problem in &problems {
+            warn!(%problem, "retry topic check");
+        }
         Ok(())
     }
 
@@ -450,6 +637,7 @@ impl<T: Transport> Core<T> {
     }
 
     async fn close_transport(&self) {
+        self.router.close().await;
         if let Err(error) = self.transport.close().await {
             error!(%error, "closing the connection failed");
             self.fail(Error::Close(error));
@@ -496,7 +684,7 @@ impl<T: Transport> Core<T> {
                 // mid-way does not abort it.
                 let core = self.clone();
                 tokio::task::spawn_local(async move {
-                    close_unstarted::<T>(unstarted).await;
+                    close_consumers::<T>(unstarted, "that never started").await;
                     core.close_transport().await;
                 });
             }
@@ -517,10 +705,10 @@ impl<T: Transport> Core<T> {
     }
 }
 
-async fn close_unstarted<T: Transport>(consumers: Vec<T::Consumer>) {
+async fn close_consumers<T: Transport>(consumers: Vec<T::Consumer>, which: &str) {
     for mut consumer in consumers {
         if let Err(error) = consumer.close().await {
-            warn!(%error, "closing an unstarted consumer failed");
+            warn!(%error, "closing a consumer {which} failed");
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The dispatcher's error type.
 
+use crate::routing::RetryTopicProblem;
 use crate::transport::TransportError;
 
 /// Everything that can go wrong when configuring or running a dispatcher.
@@ -65,6 +66,10 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// `run()` refused to start because of retry topic problems (see
+    /// [`RetryTopicCheck::Refuse`](crate::RetryTopicCheck::Refuse)).
+    #[error("retry topic check failed: {}", .0.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; "))]
+    RetryTopics(Vec<RetryTopicProblem>),
     /// Closing the broker connection failed.
     #[error("closing the broker connection failed")]
     Close(#[source] TransportError),

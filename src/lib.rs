@@ -91,22 +91,34 @@
 //! its invariants.
 #![warn(missing_docs)]
 
+mod backoff;
+mod classify;
 mod dispatcher;
 mod error;
+mod family;
 mod message;
+pub mod per_core;
 mod process;
 mod reader;
+pub mod routing;
 pub mod scheduler;
 mod subscription;
 mod sync;
 mod topic;
 pub mod transport;
 
-pub use dispatcher::{CloseHandle, Dispatcher, DispatcherBuilder, DEFAULT_CONCURRENCY};
+pub use backoff::{default_backoff, exponential_backoff};
+pub use classify::ErrorClass;
+pub use dispatcher::{
+    CloseHandle, Dispatcher, DispatcherBuilder, SubscriptionInfo, DEFAULT_CONCURRENCY,
+};
 pub use error::Error;
+pub use family::{FamilyTopic, NoSublevels, PriorityLevel, TopicFamily};
 pub use message::{Message, MessageId};
 pub use process::{HandlerError, IntoReply};
+pub use pulsar::consumer::DeadLetterPolicy;
 pub use pulsar::SubType;
+pub use routing::{DeadLetterTargets, RetryTopicCheck, RetryTopicProblem};
 pub use subscription::{SubscribeOptions, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY, DEFAULT_PRIORITY};
 pub use topic::full_topic_name;
 

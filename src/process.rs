@@ -1,5 +1,5 @@
-//! The per-message task: run the handler, settle the message, return the
-//! permit.
+//! The per-message task: run the handler, route and settle the message,
+//! return the permit.
 //!
 //! Each dispatched message gets one `spawn_local` task, monomorphised for its
 //! subscription's handler so that the task is the only allocation. The task
@@ -14,7 +14,6 @@ use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 
 use futures::FutureExt;
-use tracing::{error, warn};
 
 use crate::dispatcher::Core;
 use crate::message::{Message, MessageId};
@@ -51,8 +50,6 @@ impl IntoReply for Option<Vec<u8>> {
 
 /// How a handler ended.
 pub(crate) enum Outcome {
-    /// Carries the reply, which the failure router publishes (issue 4).
-    #[allow(dead_code)]
     Succeeded(Option<Vec<u8>>),
     Failed(HandlerError),
     Panicked(String),
@@ -64,6 +61,8 @@ pub(crate) trait Spawn<T: Transport> {
     fn spawn(&self, message: Message, in_flight: InFlight<T>);
 }
 
+/// A handler and the task that runs it; one instance may serve several
+/// subscriptions (a topic family).
 pub(crate) struct HandlerTask<F, R, E> {
     handler: Rc<F>,
     output: PhantomData<fn() -> (R, E)>,
@@ -127,19 +126,13 @@ impl<T: Transport> InFlight<T> {
         }
     }
 
-    /// Turns the handler's outcome into an ack or a nack.
+    /// Routes the handler's outcome (reply, retry, dead letter) and queues
+    /// the resulting ack or nack.
     async fn settle(mut self, message: Message, outcome: Outcome) {
-        let verdict = match outcome {
-            Outcome::Succeeded(_) => Verdict::Ack,
-            Outcome::Failed(error) => {
-                warn!(topic = %message.topic(), message_id = %message.id(), error = %error, "handler failed; nacking");
-                Verdict::Nack
-            }
-            Outcome::Panicked(panic) => {
-                error!(topic = %message.topic(), message_id = %message.id(), panic = %panic, "handler panicked; nacking");
-                Verdict::Nack
-            }
-        };
+        let verdict = self
+            .core
+            .route(&self.subscription.routing, &message, outcome)
+            .await;
         self.finish(verdict);
     }
 

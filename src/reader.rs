@@ -23,6 +23,7 @@ use crate::dispatcher::{Core, Phase};
 use crate::error::Error;
 use crate::message::{Message, MessageId};
 use crate::process::Spawn;
+use crate::routing::RoutingPolicy;
 use crate::scheduler::{Rejected, SubscriptionKey};
 use crate::sync::LocalNotify;
 use crate::transport::{Consumer, Transport};
@@ -39,8 +40,9 @@ pub(crate) enum Verdict {
 pub(crate) struct SubscriptionContext<T: Transport> {
     pub(crate) key: SubscriptionKey,
     pub(crate) topic: Rc<str>,
-    pub(crate) handler: Box<dyn Spawn<T>>,
+    pub(crate) handler: Rc<dyn Spawn<T>>,
     pub(crate) nack_delay: Duration,
+    pub(crate) routing: RoutingPolicy,
     /// Settlements waiting for the reader, in the order they were decided.
     requests: RefCell<VecDeque<(MessageId, Verdict)>>,
     /// Wakes the reader for a settlement or a change of phase.
@@ -51,14 +53,16 @@ impl<T: Transport> SubscriptionContext<T> {
     pub(crate) fn new(
         key: SubscriptionKey,
         topic: Rc<str>,
-        handler: Box<dyn Spawn<T>>,
+        handler: Rc<dyn Spawn<T>>,
         nack_delay: Duration,
+        routing: RoutingPolicy,
     ) -> Self {
         SubscriptionContext {
             key,
             topic,
             handler,
             nack_delay,
+            routing,
             requests: RefCell::default(),
             wake: LocalNotify::default(),
         }

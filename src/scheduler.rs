@@ -98,12 +98,11 @@ impl<M> Scheduler<M> {
         };
         self.buckets[bucket].members += 1;
         self.buckets[bucket].ready.reserve(1);
-        let key = SubscriptionKey(self.subscriptions.insert(Subscription {
+        SubscriptionKey(self.subscriptions.insert(Subscription {
             bucket,
             slot: None,
             vacancy_waker: None,
-        }));
-        key
+        }))
     }
 
     fn insert_bucket(&mut self, at: usize, priority: i64) {
@@ -130,24 +129,6 @@ impl<M> Scheduler<M> {
             if !bucket.ready.is_empty() {
                 self.ready_buckets[index / 64] |= 1 << (index % 64);
             }
-        }
-    }
-
-    /// Removes a subscription that never received a message; used to undo a
-    /// registration whose consumer could not be created.
-    pub fn remove_subscription(&mut self, key: SubscriptionKey) {
-        let subscription = self.subscriptions.remove(key.0);
-        debug_assert!(subscription.slot.is_none());
-        let bucket = subscription.bucket;
-        self.buckets[bucket].members -= 1;
-        if self.buckets[bucket].members == 0 {
-            self.buckets.remove(bucket);
-            for (_, other) in self.subscriptions.iter_mut() {
-                if other.bucket > bucket {
-                    other.bucket -= 1;
-                }
-            }
-            self.rebuild_ready_bits();
         }
     }
 
@@ -403,21 +384,6 @@ mod tests {
         assert!(s.poll_idle(&mut cx).is_pending());
         s.release_permit();
         assert!(s.poll_idle(&mut cx).is_ready());
-    }
-
-    #[test]
-    fn removing_an_unused_subscription_keeps_the_others_in_order() {
-        let mut s = scheduler(5);
-        let a = s.add_subscription(1);
-        let gone = s.add_subscription(0);
-        let b = s.add_subscription(2);
-        s.remove_subscription(gone);
-        s.try_insert(b, "b").unwrap();
-        s.try_insert(a, "a").unwrap();
-        assert_eq!(s.priority(a), 1);
-        assert_eq!(s.priority(b), 2);
-        assert_eq!(dispatch(&mut s), Some("a"));
-        assert_eq!(dispatch(&mut s), Some("b"));
     }
 
     #[test]

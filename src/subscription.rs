@@ -1,15 +1,21 @@
 //! Subscription options: what `subscribe` takes besides the topic and handler.
 //!
 //! The options the dispatcher itself interprets (priority, receiver queue
-//! size, negative-ack delay) have the reference dispatcher's defaults; every
-//! consumer option of the `pulsar` crate is passed through untouched.
+//! size, negative-ack delay, error routing, replies) have the reference
+//! dispatcher's defaults and are checked together before anything is
+//! created; every consumer option of the `pulsar` crate is passed through
+//! untouched.
 
 use std::time::Duration;
 
 use pulsar::consumer::DeadLetterPolicy;
 use pulsar::{ConsumerOptions, SubType};
 
+use crate::backoff::{default_backoff, Backoff};
+use crate::classify::ErrorClass;
 use crate::error::Error;
+use crate::routing::{RetryPolicy, RoutingPolicy};
+use crate::topic::full_topic_name;
 
 /// The priority a subscription gets unless told otherwise.
 pub const DEFAULT_PRIORITY: i64 = 100;
@@ -41,6 +47,12 @@ pub struct SubscribeOptions {
     pub(crate) consumer_options: ConsumerOptions,
     pub(crate) dead_letter_policy: Option<DeadLetterPolicy>,
     pub(crate) unacked_message_resend_delay: Option<Duration>,
+    fatal_errors: Option<ErrorClass>,
+    retry_errors: Option<ErrorClass>,
+    retry_topic: Option<String>,
+    retry_backoff: Option<Backoff>,
+    max_retries: Option<u32>,
+    reply_topic: Option<String>,
 }
 
 impl Default for SubscribeOptions {
@@ -55,6 +67,12 @@ impl Default for SubscribeOptions {
             consumer_options: ConsumerOptions::default(),
             dead_letter_policy: None,
             unacked_message_resend_delay: None,
+            fatal_errors: None,
+            retry_errors: None,
+            retry_topic: None,
+            retry_backoff: None,
+            max_retries: None,
+            reply_topic: None,
         }
     }
 }
@@ -130,18 +148,135 @@ impl SubscribeOptions {
         self
     }
 
+    /// Errors that send the message straight to the dead letter topic,
+    /// however many redeliveries remain. Needs a dead letter topic: a
+    /// [`subscription`](Self::subscription) name (for Pulsar's default
+    /// `<topic>-<subscription>-DLQ`) or a
+    /// [`dead_letter_policy`](Self::dead_letter_policy). When an error is
+    /// both fatal and retryable, fatal wins.
+    pub fn fatal_errors(mut self, class: ErrorClass) -> Self {
+        self.fatal_errors = Some(class);
+        self
+    }
+
+    /// Errors that republish the message to the
+    /// [`retry_topic`](Self::retry_topic) with a delay; the two go together.
+    pub fn retry_errors(mut self, class: ErrorClass) -> Self {
+        self.retry_errors = Some(class);
+        self
+    }
+
+    /// The topic delayed retries are published to. The dispatcher does not
+    /// consume it for you: subscribe to it too, with a Shared or Key_Shared
+    /// subscription so that the delays are honoured.
+    pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
+        self.retry_topic = Some(topic.into());
+        self
+    }
+
+    /// The delay before retry number `n` (starting at 1); by default
+    /// [`default_backoff`]. See also
+    /// [`exponential_backoff`](crate::exponential_backoff).
+    pub fn retry_backoff(mut self, backoff: impl Fn(u32) -> Duration + 'static) -> Self {
+        self.retry_backoff = Some(Backoff::new(backoff));
+        self
+    }
+
+    /// Dead-letter a message that fails again after this many retries
+    /// (at least 1), keeping its RECONSUMETIMES. Needs a retry topic and a
+    /// dead letter topic.
+    pub fn max_retries(mut self, retries: u32) -> Self {
+        self.max_retries = Some(retries);
+        self
+    }
+
+    /// Publish what the handler returns (bytes) to this topic before the
+    /// message is acked. A handler that returns nothing publishes nothing.
+    pub fn reply_topic(mut self, topic: impl Into<String>) -> Self {
+        self.reply_topic = Some(topic.into());
+        self
+    }
+
     /// The subscription name, if one was given.
     pub fn subscription_name(&self) -> Option<&str> {
         self.subscription.as_deref()
     }
 
-    pub(crate) fn validate(&self) -> Result<(), Error> {
+    /// Whether a retry topic has been set.
+    pub(crate) fn has_retry_topic(&self) -> bool {
+        self.retry_topic.is_some()
+    }
+
+    /// Checks the options together and resolves their topics for `topic`
+    /// (a full name). Nothing is created, so a refusal leaves no trace.
+    pub(crate) fn routing_policy(&self, topic: &str) -> Result<RoutingPolicy, Error> {
+        let invalid = |option: &'static str, reason: &str| Error::InvalidOption {
+            option,
+            reason: reason.to_owned(),
+        };
         if self.receiver_queue_size == 0 {
-            return Err(Error::InvalidOption {
-                option: "receiver_queue_size",
-                reason: "must be at least 1".into(),
-            });
+            return Err(invalid("receiver_queue_size", "must be at least 1"));
         }
-        Ok(())
+        match (&self.retry_errors, &self.retry_topic) {
+            (Some(_), None) => return Err(invalid("retry_errors", "needs a retry_topic")),
+            (None, Some(_)) => return Err(invalid("retry_topic", "needs retry_errors")),
+            _ => {}
+        }
+        if self.retry_backoff.is_some() && self.retry_topic.is_none() {
+            return Err(invalid("retry_backoff", "needs a retry_topic"));
+        }
+        if let Some(max) = self.max_retries {
+            if self.retry_topic.is_none() {
+                return Err(invalid("max_retries", "needs a retry_topic"));
+            }
+            if max == 0 {
+                return Err(invalid("max_retries", "must be at least 1"));
+            }
+        }
+        let dead_letter_topic = self.dead_letter_topic(topic)?;
+        if dead_letter_topic.is_none() {
+            let needs =
+                "needs a dead letter topic: set a subscription name or a dead_letter_policy";
+            if self.fatal_errors.is_some() {
+                return Err(invalid("fatal_errors", needs));
+            }
+            if self.max_retries.is_some() {
+                return Err(invalid("max_retries", needs));
+            }
+        }
+        let retry = match (&self.retry_topic, &self.retry_errors) {
+            (Some(retry_topic), Some(errors)) => Some(RetryPolicy {
+                topic: full_topic_name(retry_topic)?,
+                errors: errors.clone(),
+                backoff: self
+                    .retry_backoff
+                    .clone()
+                    .unwrap_or_else(|| Backoff::new(default_backoff)),
+                max_retries: self.max_retries,
+            }),
+            _ => None,
+        };
+        Ok(RoutingPolicy {
+            fatal: self.fatal_errors.clone(),
+            retry,
+            dead_letter_topic,
+            reply_topic: self
+                .reply_topic
+                .as_deref()
+                .map(full_topic_name)
+                .transpose()?,
+        })
+    }
+
+    /// The dead letter policy's topic, or Pulsar's default
+    /// `<topic>-<subscription>-DLQ`; `None` without either.
+    fn dead_letter_topic(&self, topic: &str) -> Result<Option<String>, Error> {
+        if let Some(policy) = &self.dead_letter_policy {
+            return full_topic_name(&policy.dead_letter_topic).map(Some);
+        }
+        Ok(self
+            .subscription
+            .as_ref()
+            .map(|subscription| format!("{topic}-{subscription}-DLQ")))
     }
 }

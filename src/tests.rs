@@ -345,7 +345,7 @@ fn nacks_wait_out_the_negative_ack_delay_but_not_shutdown() {
         );
         tokio::time::advance(Duration::from_secs(2)).await;
         settle_down().await;
-        assert_eq!(transport.nacked("jobs"), [first.clone()]);
+        assert_eq!(transport.nacked("jobs"), std::slice::from_ref(&first));
         // The redelivered message fails again and its nack is held; closing
         // sends it at once instead of waiting another minute.
         let closing_at = tokio::time::Instant::now();
@@ -623,3 +623,5 @@ fn a_subscribe_that_completes_after_run_started_leaves_no_consumer() {
         );
     });
 }
+
+mod routing;

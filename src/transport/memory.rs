@@ -26,9 +26,34 @@ pub struct MemoryTransport {
     broker: Rc<Broker>,
 }
 
+/// Something a client did to the in-memory broker, in the order it happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A producer published to `topic`.
+    Published {
+        /// The full topic name.
+        topic: Rc<str>,
+    },
+    /// A consumer acknowledged `id` on `topic`.
+    Acked {
+        /// The full topic name.
+        topic: Rc<str>,
+        /// The message.
+        id: MessageId,
+    },
+    /// A consumer negatively acknowledged `id` on `topic`.
+    Nacked {
+        /// The full topic name.
+        topic: Rc<str>,
+        /// The message.
+        id: MessageId,
+    },
+}
+
 #[derive(Default)]
 struct Broker {
     topics: RefCell<HashMap<String, Rc<Topic>>>,
+    events: RefCell<Vec<Event>>,
     next_entry: Cell<u64>,
     producers_created: RefCell<Vec<String>>,
     failing_subscribes: RefCell<HashSet<String>>,
@@ -47,8 +72,7 @@ struct Topic {
     consumer_waker: Cell<Option<Waker>>,
     ended: Cell<bool>,
     received: Cell<u64>,
-    acked: RefCell<Vec<MessageId>>,
-    nacked: RefCell<Vec<MessageId>>,
+    acked: Cell<usize>,
     published: RefCell<Vec<OutgoingMessage>>,
     settle_waker: Cell<Option<Waker>>,
 }
@@ -123,14 +147,37 @@ impl MemoryTransport {
         id
     }
 
+    /// Every publish, ack and nack so far, in order.
+    pub fn events(&self) -> Vec<Event> {
+        self.broker.events.borrow().clone()
+    }
+
     /// Ids acknowledged on `topic`, in order.
     pub fn acked(&self, topic: &str) -> Vec<MessageId> {
-        self.topic(topic).acked.borrow().clone()
+        let topic = full(topic);
+        self.broker
+            .events
+            .borrow()
+            .iter()
+            .filter_map(|event| match event {
+                Event::Acked { topic: t, id } if **t == *topic => Some(id.clone()),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Ids negatively acknowledged on `topic`, in order.
     pub fn nacked(&self, topic: &str) -> Vec<MessageId> {
-        self.topic(topic).nacked.borrow().clone()
+        let topic = full(topic);
+        self.broker
+            .events
+            .borrow()
+            .iter()
+            .filter_map(|event| match event {
+                Event::Nacked { topic: t, id } if **t == *topic => Some(id.clone()),
+                _ => None,
+            })
+            .collect()
     }
 
     /// How many messages consumers of `topic` have received, redeliveries
@@ -158,7 +205,7 @@ impl MemoryTransport {
     pub async fn wait_acked(&self, topic: &str, count: usize) {
         let topic = self.topic(topic);
         poll_fn(|cx| {
-            if topic.acked.borrow().len() >= count {
+            if topic.acked.get() >= count {
                 return Poll::Ready(());
             }
             topic.settle_waker.set(Some(cx.waker().clone()));
@@ -301,14 +348,21 @@ impl Consumer for MemoryConsumer {
 
     async fn ack(&mut self, id: MessageId) -> Result<(), TransportError> {
         self.topic.unsettled.borrow_mut().remove(&id);
-        self.topic.acked.borrow_mut().push(id);
+        self.topic.acked.set(self.topic.acked.get() + 1);
+        self.broker.events.borrow_mut().push(Event::Acked {
+            topic: self.topic.name.clone(),
+            id,
+        });
         self.topic.settled();
         Ok(())
     }
 
     async fn nack(&mut self, id: MessageId) -> Result<(), TransportError> {
         let redelivery = self.topic.unsettled.borrow_mut().remove(&id);
-        self.topic.nacked.borrow_mut().push(id);
+        self.broker.events.borrow_mut().push(Event::Nacked {
+            topic: self.topic.name.clone(),
+            id,
+        });
         if let Some(mut message) = redelivery {
             message.redelivery_count = Some(message.redelivery_count.unwrap_or(0) + 1);
             self.topic.push(message, true);
@@ -361,6 +415,13 @@ impl Producer for MemoryProducer {
             return Err(TransportError::Closed);
         }
         self.topic.published.borrow_mut().push(message.clone());
+        self.transport
+            .broker
+            .events
+            .borrow_mut()
+            .push(Event::Published {
+                topic: self.topic.name.clone(),
+            });
         self.transport.send_message(&self.topic.name, message);
         Ok(())
     }

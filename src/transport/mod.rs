@@ -15,7 +15,7 @@
 mod memory;
 mod pulsar;
 
-pub use self::memory::{MemoryConsumer, MemoryProducer, MemoryTransport};
+pub use self::memory::{Event, MemoryConsumer, MemoryProducer, MemoryTransport};
 pub use self::pulsar::{PulsarConsumer, PulsarProducer, PulsarTransport};
 
 use crate::message::{Message, MessageId};

@@ -1,0 +1,119 @@
+//! Retry delays: the backoff curve from a retry number to a delay.
+//!
+//! A backoff is any `Fn(u32) -> Duration`, called with the number of the
+//! retry about to be scheduled (1 for a message's first retry). The two
+//! curves here cost the same for retry 1 and retry `u32::MAX` and never
+//! overflow: the exponent is applied in floating point and capped.
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::error::Error;
+
+/// The default curve: 1, 2, 4, 8, ... seconds, at most 5 minutes.
+pub fn default_backoff(retry: u32) -> Duration {
+    exponential(Duration::from_secs(1), 2.0, Duration::from_secs(300), retry)
+}
+
+/// A curve that starts at `initial`, is multiplied by `multiplier` for each
+/// further retry, and never exceeds `maximum`.
+///
+/// Refuses a multiplier below 1 (or not a number) and a maximum below the
+/// initial delay.
+///
+/// ```
+/// use std::time::Duration;
+/// use pulsar_dispatcher::exponential_backoff;
+///
+/// let backoff = exponential_backoff(Duration::from_secs(5), 3.0, Duration::from_secs(600)).unwrap();
+/// assert_eq!(backoff(1), Duration::from_secs(5));
+/// assert_eq!(backoff(3), Duration::from_secs(45));
+/// assert_eq!(backoff(10), Duration::from_secs(600));
+/// ```
+pub fn exponential_backoff(
+    initial: Duration,
+    multiplier: f64,
+    maximum: Duration,
+) -> Result<impl Fn(u32) -> Duration + Clone + 'static, Error> {
+    if multiplier.is_nan() || multiplier < 1.0 {
+        return Err(Error::InvalidOption {
+            option: "exponential_backoff multiplier",
+            reason: format!("must be at least 1, got {multiplier}"),
+        });
+    }
+    if maximum < initial {
+        return Err(Error::InvalidOption {
+            option: "exponential_backoff maximum",
+            reason: format!("{maximum:?} is below the initial delay {initial:?}"),
+        });
+    }
+    Ok(move |retry| exponential(initial, multiplier, maximum, retry))
+}
+
+fn exponential(initial: Duration, multiplier: f64, maximum: Duration, retry: u32) -> Duration {
+    // Past this exponent every multiplier above 1 has reached any maximum a
+    // Duration can hold, so capping it bounds the work without changing
+    // the result.
+    let exponent = retry.saturating_sub(1).min(1100) as i32;
+    let seconds = initial.as_secs_f64() * multiplier.powi(exponent);
+    if seconds >= maximum.as_secs_f64() {
+        maximum
+    } else {
+        Duration::from_secs_f64(seconds)
+    }
+}
+
+/// A backoff curve as stored in the options.
+#[derive(Clone)]
+pub(crate) struct Backoff(Rc<dyn Fn(u32) -> Duration>);
+
+impl Backoff {
+    pub(crate) fn new(curve: impl Fn(u32) -> Duration + 'static) -> Self {
+        Backoff(Rc::new(curve))
+    }
+
+    pub(crate) fn delay(&self, retry: u32) -> Duration {
+        (self.0)(retry)
+    }
+}
+
+impl std::fmt::Debug for Backoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Backoff(..)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_doubles_from_one_second_up_to_five_minutes() {
+        let seconds: Vec<u64> = (1..=11).map(|r| default_backoff(r).as_secs()).collect();
+        assert_eq!(seconds, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+    }
+
+    #[test]
+    fn huge_retry_numbers_stay_at_the_maximum() {
+        assert_eq!(default_backoff(u32::MAX), Duration::from_secs(300));
+        let slow = exponential_backoff(Duration::ZERO, 1.0, Duration::ZERO).unwrap();
+        assert_eq!(slow(u32::MAX), Duration::ZERO);
+        let big = exponential_backoff(Duration::from_secs(1), 1e10, Duration::MAX).unwrap();
+        assert_eq!(big(u32::MAX), Duration::MAX);
+    }
+
+    #[test]
+    fn a_multiplier_of_one_gives_a_constant_delay() {
+        let constant =
+            exponential_backoff(Duration::from_secs(7), 1.0, Duration::from_secs(100)).unwrap();
+        assert!((1..50).all(|r| constant(r) == Duration::from_secs(7)));
+    }
+
+    #[test]
+    fn nonsense_curves_are_refused() {
+        let second = Duration::from_secs(1);
+        assert!(exponential_backoff(second, 0.5, second * 10).is_err());
+        assert!(exponential_backoff(second, f64::NAN, second * 10).is_err());
+        assert!(exponential_backoff(second * 10, 2.0, second).is_err());
+    }
+}

@@ -1,0 +1,694 @@
+//! Failure routing: what happens to a message after its handler returns.
+//!
+//! A success is acked, after its reply (if any) has been published. A
+//! failure is classified: a *fatal* error sends the message to a dead letter
+//! topic, a *retry* error republishes it to the retry topic with a broker
+//! delay, anything else (and any panic) nacks it. Republished messages keep
+//! payload, properties, keys and event time, and carry the property names
+//! Pulsar's Java client uses (RECONSUMETIMES, REAL_TOPIC, ORIGIN_MESSAGE_ID,
+//! DELAY_TIME) plus the Python dispatcher's DEAD_LETTER_TOPIC. The original is
+//! acked only once the republish has succeeded. Producers are created per
+//! topic on first use and shared.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use pulsar::SubType;
+use tokio::sync::OnceCell;
+use tracing::{error, info, warn};
+
+use crate::backoff::Backoff;
+use crate::classify::ErrorClass;
+use crate::dispatcher::SubscriptionInfo;
+use crate::error::Error;
+use crate::message::Message;
+use crate::process::{HandlerError, Outcome};
+use crate::reader::Verdict;
+use crate::topic::full_topic_name;
+use crate::transport::{OutgoingMessage, Producer, Transport, TransportError};
+
+/// How many times a message has been retried (Java client convention).
+pub const RECONSUMETIMES: &str = "RECONSUMETIMES";
+/// The topic a republished message was first consumed from.
+pub const REAL_TOPIC: &str = "REAL_TOPIC";
+/// The id of the original message, as `ledger:entry:partition[:batch]`.
+pub const ORIGIN_MESSAGE_ID: &str = "ORIGIN_MESSAGE_ID";
+/// The delay, in milliseconds, a retry was scheduled with.
+pub const DELAY_TIME: &str = "DELAY_TIME";
+/// The dead letter topic of the subscription that first retried a message.
+pub const DEAD_LETTER_TOPIC: &str = "DEAD_LETTER_TOPIC";
+
+/// Which dead letter topics a message's DEAD_LETTER_TOPIC property may
+/// choose.
+///
+/// Anyone who can publish to a retry topic can set that property. By
+/// default the dispatcher honours it only when it names the dead letter
+/// topic of one of its own subscriptions; otherwise the message goes to the
+/// dead letter topic of the subscription that received it, with a warning.
+#[derive(Clone, Debug, Default)]
+pub struct DeadLetterTargets {
+    any: bool,
+    allowed: HashSet<String>,
+}
+
+impl DeadLetterTargets {
+    /// Only the dead letter topics of this dispatcher's subscriptions (the
+    /// default).
+    pub fn known() -> Self {
+        Self::default()
+    }
+
+    /// Also honour `topic` (for subscriptions that live in another service).
+    pub fn allow(mut self, topic: &str) -> Result<Self, Error> {
+        self.allowed.insert(full_topic_name(topic)?);
+        Ok(self)
+    }
+
+    /// Honour whatever the property names, as the Python dispatcher does.
+    pub fn any() -> Self {
+        DeadLetterTargets {
+            any: true,
+            allowed: HashSet::new(),
+        }
+    }
+}
+
+/// What `run()` does when the retry topic check finds a problem.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RetryTopicCheck {
+    /// Log each problem as a `tracing` warning and start (the default).
+    #[default]
+    Warn,
+    /// Start without checking, for example when another service consumes
+    /// the retry topics.
+    Ignore,
+    /// Refuse to start: `run()` returns [`Error::RetryTopics`].
+    Refuse,
+}
+
+/// A retry topic that will not work as intended.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RetryTopicProblem {
+    /// No subscription on this dispatcher consumes the retry topic, so
+    /// retried messages would never be processed here.
+    #[error("{retry_topic} (the retry topic of {topic}) is not consumed by this dispatcher")]
+    NotConsumed {
+        /// The full name of the retry topic.
+        retry_topic: String,
+        /// The subscription's topic that retries there.
+        topic: String,
+    },
+    /// A subscription consumes the retry topic with a type that ignores
+    /// delivery delays, so retries would come back at once.
+    #[error("{retry_topic} is consumed by a {subscription_type:?} subscription, which ignores retry delays; use Shared or Key_Shared")]
+    DelaysIgnored {
+        /// The full name of the retry topic.
+        retry_topic: String,
+        /// The type of the consuming subscription.
+        subscription_type: SubType,
+    },
+}
+
+/// Checks every retry topic against the subscriptions that consume it.
+/// Names are full names, so `orders-retry` and
+/// `persistent://public/default/orders-retry` are the same topic.
+pub(crate) fn retry_topic_problems(subscriptions: &[SubscriptionInfo]) -> Vec<RetryTopicProblem> {
+    let mut problems = Vec::new();
+    let mut checked = HashSet::new();
+    for subscription in subscriptions {
+        let Some(retry_topic) = &subscription.retry_topic else {
+            continue;
+        };
+        let consumers: Vec<_> = subscriptions
+            .iter()
+            .filter(|s| &s.topic == retry_topic)
+            .collect();
+        if consumers.is_empty() {
+            problems.push(RetryTopicProblem::NotConsumed {
+                retry_topic: retry_topic.clone(),
+                topic: subscription.topic.clone(),
+            });
+        }
+        if !checked.insert(retry_topic) {
+            continue;
+        }
+        for consumer in consumers {
+            if !matches!(
+                consumer.subscription_type,
+                SubType::Shared | SubType::KeyShared
+            ) {
+                problems.push(RetryTopicProblem::DelaysIgnored {
+                    retry_topic: retry_topic.clone(),
+                    subscription_type: consumer.subscription_type,
+                });
+            }
+        }
+    }
+    problems
+}
+
+/// The retry half of a subscription's routing.
+#[derive(Clone, Debug)]
+pub(crate) struct RetryPolicy {
+    pub(crate) topic: String,
+    pub(crate) errors: ErrorClass,
+    pub(crate) backoff: Backoff,
+    pub(crate) max_retries: Option<u32>,
+}
+
+/// One subscription's routing, resolved to full topic names at subscribe.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RoutingPolicy {
+    pub(crate) fatal: Option<ErrorClass>,
+    pub(crate) retry: Option<RetryPolicy>,
+    pub(crate) dead_letter_topic: Option<String>,
+    pub(crate) reply_topic: Option<String>,
+}
+
+/// Where a failed message goes.
+#[derive(Debug, PartialEq, Eq)]
+enum Route {
+    Nack,
+    Retry,
+    DeadLetter,
+}
+
+impl RoutingPolicy {
+    fn classify(&self, error: &(dyn std::error::Error + 'static), message: &Message) -> Route {
+        if self
+            .fatal
+            .as_ref()
+            .is_some_and(|class| class.matches(error))
+        {
+            return Route::DeadLetter;
+        }
+        match &self.retry {
+            Some(retry) if retry.errors.matches(error) => {
+                let exhausted = retry
+                    .max_retries
+                    .is_some_and(|max| reconsume_times(message) >= max);
+                if exhausted {
+                    Route::DeadLetter
+                } else {
+                    Route::Retry
+                }
+            }
+            _ => Route::Nack,
+        }
+    }
+}
+
+/// The dispatcher-wide half of routing: shared producers and the dead
+/// letter topics messages may choose.
+pub(crate) struct Router<T: Transport> {
+    producers: Producers<T>,
+    targets: DeadLetterTargets,
+    known_dead_letter_topics: RefCell<HashSet<String>>,
+}
+
+impl<T: Transport> Router<T> {
+    pub(crate) fn new(targets: DeadLetterTargets) -> Self {
+        Router {
+            producers: Producers::default(),
+            targets,
+            known_dead_letter_topics: RefCell::default(),
+        }
+    }
+
+    pub(crate) fn register(&self, policy: &RoutingPolicy) {
+        if let Some(topic) = &policy.dead_letter_topic {
+            self.known_dead_letter_topics
+                .borrow_mut()
+                .insert(topic.clone());
+        }
+    }
+
+    pub(crate) async fn close(&self) {
+        self.producers.close_all().await
+    }
+
+    /// Decides, and carries out, what becomes of a handled message.
+    pub(crate) async fn route(
+        &self,
+        transport: &T,
+        policy: &RoutingPolicy,
+        message: &Message,
+        outcome: Outcome,
+    ) -> Verdict {
+        match outcome {
+            Outcome::Succeeded(reply) => match (&policy.reply_topic, reply) {
+                (Some(topic), Some(reply)) => {
+                    let published = self
+                        .producers
+                        .send(transport, topic, OutgoingMessage::new(reply))
+                        .await;
+                    self.ack_if_published(published, "reply", topic, message)
+                }
+                _ => Verdict::Ack,
+            },
+            Outcome::Panicked(panic) => {
+                error!(topic = %message.topic(), message_id = %message.id(), %panic, "handler panicked; nacking");
+                Verdict::Nack
+            }
+            Outcome::Failed(error) => self.route_failure(transport, policy, message, error).await,
+        }
+    }
+
+    async fn route_failure(
+        &self,
+        transport: &T,
+        policy: &RoutingPolicy,
+        message: &Message,
+        error: HandlerError,
+    ) -> Verdict {
+        let route = policy.classify(error.as_ref(), message);
+        let (topic, id) = (message.topic(), message.id());
+        match route {
+            Route::Nack => {
+                warn!(%topic, message_id = %id, %error, "handler failed; nacking");
+                Verdict::Nack
+            }
+            Route::Retry => {
+                let retry = policy.retry.as_ref().expect("a retry route has a policy");
+                let (outgoing, delay) =
+                    retry_message(message, retry, policy.dead_letter_topic.as_deref());
+                info!(%topic, message_id = %id, %error, retry_topic = %retry.topic, ?delay, "handler failed; retrying later");
+                let published = self.producers.send(transport, &retry.topic, outgoing).await;
+                self.ack_if_published(published, "retry", &retry.topic, message)
+            }
+            Route::DeadLetter => {
+                let Some(destination) = self.dead_letter_destination(policy, message) else {
+                    warn!(%topic, message_id = %id, %error, "no dead letter topic; nacking");
+                    return Verdict::Nack;
+                };
+                warn!(%topic, message_id = %id, %error, dead_letter_topic = %destination, "handler failed; dead-lettering");
+                let published = self
+                    .producers
+                    .send(transport, &destination, dead_letter_message(message))
+                    .await;
+                self.ack_if_published(published, "dead letter", &destination, message)
+            }
+        }
+    }
+
+    fn ack_if_published(
+        &self,
+        published: Result<(), TransportError>,
+        what: &str,
+        destination: &str,
+        message: &Message,
+    ) -> Verdict {
+        match published {
+            Ok(()) => Verdict::Ack,
+            Err(error) => {
+                error!(topic = %message.topic(), message_id = %message.id(), %destination, %error, "publishing the {what} failed; nacking");
+                Verdict::Nack
+            }
+        }
+    }
+
+    /// The property's topic when it is trusted; the receiving
+    /// subscription's own dead letter topic otherwise.
+    fn dead_letter_destination(&self, policy: &RoutingPolicy, message: &Message) -> Option<String> {
+        let own = policy.dead_letter_topic.clone();
+        let Some(named) = message.property(DEAD_LETTER_TOPIC) else {
+            return own;
+        };
+        let trusted = self.targets.any
+            || self.targets.allowed.contains(named)
+            || self.known_dead_letter_topics.borrow().contains(named);
+        if trusted {
+            return Some(named.to_owned());
+        }
+        warn!(
+            topic = %message.topic(),
+            message_id = %message.id(),
+            requested = %named,
+            "DEAD_LETTER_TOPIC names a topic this dispatcher does not trust; using the subscription's own"
+        );
+        own
+    }
+}
+
+/// The retries a message has had so far; missing, malformed or negative
+/// values count as none.
+pub(crate) fn reconsume_times(message: &Message) -> u32 {
+    message
+        .property(RECONSUMETIMES)
+        .and_then(|value| value.trim().parse::<i64>().ok())
+        .map_or(0, |n| n.clamp(0, u32::MAX as i64) as u32)
+}
+
+/// The republished form of `message`, bound for the retry topic, and the
+/// delay it was given.
+fn retry_message(
+    message: &Message,
+    retry: &RetryPolicy,
+    dead_letter_topic: Option<&str>,
+) -> (OutgoingMessage, Duration) {
+    let attempt = reconsume_times(message).saturating_add(1);
+    let delay = retry.backoff.delay(attempt);
+    let mut outgoing = republished(message);
+    set_property(&mut outgoing, RECONSUMETIMES, attempt.to_string());
+    set_property(&mut outgoing, DELAY_TIME, delay.as_millis().to_string());
+    if let Some(topic) = dead_letter_topic {
+        set_property_if_absent(&mut outgoing, DEAD_LETTER_TOPIC, topic);
+    }
+    let due = SystemTime::now()
+        .checked_add(delay)
+        .unwrap_or(SystemTime::UNIX_EPOCH + Duration::from_millis(i64::MAX as u64));
+    let due_ms = due
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis();
+    outgoing.deliver_at_time = Some(due_ms.min(i64::MAX as u128) as i64);
+    (outgoing, delay)
+}
+
+fn dead_letter_message(message: &Message) -> OutgoingMessage {
+    republished(message)
+}
+
+/// The message's content with its origin recorded, once: a message that
+/// already names an origin keeps it.
+fn republished(message: &Message) -> OutgoingMessage {
+    let mut outgoing = OutgoingMessage::from_received(message);
+    set_property_if_absent(&mut outgoing, REAL_TOPIC, message.topic());
+    set_property_if_absent(&mut outgoing, ORIGIN_MESSAGE_ID, &message.id().to_string());
+    outgoing
+}
+
+fn set_property(message: &mut OutgoingMessage, key: &str, value: String) {
+    match message.properties.iter_mut().find(|(k, _)| k == key) {
+        Some((_, existing)) => *existing = value,
+        None => message.properties.push((key.to_owned(), value)),
+    }
+}
+
+fn set_property_if_absent(message: &mut OutgoingMessage, key: &str, value: &str) {
+    if !message.properties.iter().any(|(k, _)| k == key) {
+        message.properties.push((key.to_owned(), value.to_owned()));
+    }
+}
+
+/// One producer per topic, created on first use. Concurrent first uses wait
+/// for the same creation; a failed creation leaves the cell empty, so the
+/// next caller tries again.
+struct Producers<T: Transport> {
+    by_topic: RefCell<HashMap<String, Rc<OnceCell<T::Producer>>>>,
+}
+
+impl<T: Transport> Default for Producers<T> {
+    fn default() -> Self {
+        Producers {
+            by_topic: RefCell::default(),
+        }
+    }
+}
+
+impl<T: Transport> Producers<T> {
+    async fn send(
+        &self,
+        transport: &T,
+        topic: &str,
+        message: OutgoingMessage,
+    ) -> Result<(), TransportError> {
+        let cell = self.cell(topic);
+        let producer = cell
+            .get_or_try_init(|| transport.create_producer(topic))
+            .await?;
+        producer.send(message).await
+    }
+
+    fn cell(&self, topic: &str) -> Rc<OnceCell<T::Producer>> {
+        if let Some(cell) = self.by_topic.borrow().get(topic) {
+            return cell.clone();
+        }
+        self.by_topic
+            .borrow_mut()
+            .entry(topic.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    async fn close_all(&self) {
+        let cells: Vec<_> = self.by_topic.borrow_mut().drain().collect();
+        for (topic, cell) in cells {
+            if let Some(producer) = cell.get() {
+                if let Err(error) = producer.close().await {
+                    warn!(%topic, %error, "closing a producer failed");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backoff::default_backoff;
+    use crate::message::MessageId;
+    use crate::transport::MemoryTransport;
+
+    fn message(properties: &[(&str, &str)]) -> Message {
+        let mut message = Message::new(
+            "persistent://public/default/orders",
+            MessageId::new(7, 3, -1, None),
+            b"payload".to_vec(),
+        )
+        .with_partition_key("customer-1")
+        .with_ordering_key(b"order-key".to_vec())
+        .with_event_time(1234);
+        for (key, value) in properties {
+            message = message.with_property(*key, *value);
+        }
+        message
+    }
+
+    fn retry_policy(max_retries: Option<u32>) -> RetryPolicy {
+        RetryPolicy {
+            topic: "persistent://public/default/orders-retry".into(),
+            errors: ErrorClass::matching(|e| e.to_string() == "retry"),
+            backoff: Backoff::new(default_backoff),
+            max_retries,
+        }
+    }
+
+    fn property<'a>(message: &'a OutgoingMessage, key: &str) -> Option<&'a str> {
+        message
+            .properties
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn a_first_retry_records_the_origin_and_the_dead_letter_topic() {
+        let original = message(&[("app", "x")]);
+        let (outgoing, delay) = retry_message(&original, &retry_policy(None), Some("dlq-a"));
+        assert_eq!(delay, Duration::from_secs(1));
+        assert_eq!(outgoing.payload, b"payload");
+        assert_eq!(outgoing.partition_key.as_deref(), Some("customer-1"));
+        assert_eq!(outgoing.ordering_key.as_deref(), Some(&b"order-key"[..]));
+        assert_eq!(outgoing.event_time, Some(1234));
+        assert_eq!(property(&outgoing, "app"), Some("x"));
+        assert_eq!(property(&outgoing, RECONSUMETIMES), Some("1"));
+        assert_eq!(property(&outgoing, DELAY_TIME), Some("1000"));
+        assert_eq!(
+            property(&outgoing, REAL_TOPIC),
+            Some("persistent://public/default/orders")
+        );
+        assert_eq!(property(&outgoing, ORIGIN_MESSAGE_ID), Some("7:3:-1"));
+        assert_eq!(property(&outgoing, DEAD_LETTER_TOPIC), Some("dlq-a"));
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        let due = outgoing.deliver_at_time.unwrap();
+        assert!(
+            (now_ms + 500..=now_ms + 1500).contains(&due),
+            "due {due}, now {now_ms}"
+        );
+    }
+
+    #[test]
+    fn later_retries_keep_the_origin_and_count_up() {
+        let retried = message(&[
+            (RECONSUMETIMES, "3"),
+            (REAL_TOPIC, "persistent://public/default/first"),
+            (ORIGIN_MESSAGE_ID, "1:1:-1"),
+            (DEAD_LETTER_TOPIC, "dlq-first"),
+        ]);
+        let (outgoing, delay) = retry_message(&retried, &retry_policy(None), Some("dlq-retry"));
+        assert_eq!(delay, Duration::from_secs(8));
+        assert_eq!(property(&outgoing, RECONSUMETIMES), Some("4"));
+        assert_eq!(
+            property(&outgoing, REAL_TOPIC),
+            Some("persistent://public/default/first")
+        );
+        assert_eq!(property(&outgoing, ORIGIN_MESSAGE_ID), Some("1:1:-1"));
+        assert_eq!(property(&outgoing, DEAD_LETTER_TOPIC), Some("dlq-first"));
+        assert_eq!(
+            outgoing
+                .properties
+                .iter()
+                .filter(|(k, _)| k == RECONSUMETIMES)
+                .count(),
+            1
+        );
+    }
+
+    #[test]
+    fn malformed_or_negative_retry_counts_count_as_none() {
+        for bad in ["-4", "many", "", "1.5"] {
+            assert_eq!(
+                reconsume_times(&message(&[(RECONSUMETIMES, bad)])),
+                0,
+                "{bad:?}"
+            );
+        }
+        assert_eq!(reconsume_times(&message(&[(RECONSUMETIMES, " 12 ")])), 12);
+        assert_eq!(
+            reconsume_times(&message(&[(RECONSUMETIMES, "99999999999")])),
+            u32::MAX
+        );
+    }
+
+    #[test]
+    fn fatal_wins_over_retry_and_exhausted_retries_are_dead_lettered() {
+        let both = ErrorClass::matching(|_| true);
+        let policy = RoutingPolicy {
+            fatal: Some(ErrorClass::matching(|e| e.to_string() == "fatal")),
+            retry: Some(RetryPolicy {
+                errors: both,
+                ..retry_policy(Some(2))
+            }),
+            dead_letter_topic: Some("dlq".into()),
+            reply_topic: None,
+        };
+        let fatal: HandlerError = "fatal".into();
+        let other: HandlerError = "other".into();
+        assert_eq!(
+            policy.classify(fatal.as_ref(), &message(&[])),
+            Route::DeadLetter
+        );
+        assert_eq!(policy.classify(other.as_ref(), &message(&[])), Route::Retry);
+        assert_eq!(
+            policy.classify(other.as_ref(), &message(&[(RECONSUMETIMES, "1")])),
+            Route::Retry
+        );
+        assert_eq!(
+            policy.classify(other.as_ref(), &message(&[(RECONSUMETIMES, "2")])),
+            Route::DeadLetter
+        );
+        let plain = RoutingPolicy::default();
+        assert_eq!(plain.classify(fatal.as_ref(), &message(&[])), Route::Nack);
+    }
+
+    #[test]
+    fn dead_letters_keep_the_retry_count_and_honour_only_trusted_topics() {
+        let router: Router<MemoryTransport> = Router::new(DeadLetterTargets::known());
+        let known = RoutingPolicy {
+            dead_letter_topic: Some("persistent://public/default/orders-sub-DLQ".into()),
+            ..Default::default()
+        };
+        router.register(&known);
+        let own = RoutingPolicy {
+            dead_letter_topic: Some("persistent://public/default/retry-sub-DLQ".into()),
+            ..Default::default()
+        };
+        let stamped = message(&[
+            (
+                DEAD_LETTER_TOPIC,
+                "persistent://public/default/orders-sub-DLQ",
+            ),
+            (RECONSUMETIMES, "5"),
+        ]);
+        assert_eq!(
+            router.dead_letter_destination(&own, &stamped).as_deref(),
+            Some("persistent://public/default/orders-sub-DLQ")
+        );
+        assert_eq!(
+            property(&dead_letter_message(&stamped), RECONSUMETIMES),
+            Some("5")
+        );
+        let forged = message(&[(DEAD_LETTER_TOPIC, "persistent://public/default/elsewhere")]);
+        assert_eq!(
+            router.dead_letter_destination(&own, &forged).as_deref(),
+            Some("persistent://public/default/retry-sub-DLQ")
+        );
+        let allowing: Router<MemoryTransport> =
+            Router::new(DeadLetterTargets::known().allow("elsewhere").unwrap());
+        assert_eq!(
+            allowing.dead_letter_destination(&own, &forged).as_deref(),
+            Some("persistent://public/default/elsewhere")
+        );
+        let trusting: Router<MemoryTransport> = Router::new(DeadLetterTargets::any());
+        assert_eq!(
+            trusting.dead_letter_destination(&own, &forged).as_deref(),
+            Some("persistent://public/default/elsewhere")
+        );
+    }
+
+    fn run_local<F: std::future::Future>(test: F) -> F::Output {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        tokio::task::LocalSet::new().block_on(&runtime, test)
+    }
+
+    #[test]
+    fn concurrent_first_uses_share_one_producer_creation() {
+        run_local(async {
+            let transport = MemoryTransport::new();
+            let producers: Rc<Producers<MemoryTransport>> = Rc::default();
+            let sends: Vec<_> = (0..5)
+                .map(|n| {
+                    let (producers, transport) = (producers.clone(), transport.clone());
+                    tokio::task::spawn_local(async move {
+                        producers
+                            .send(
+                                &transport,
+                                "persistent://public/default/dlq",
+                                OutgoingMessage::new(vec![n]),
+                            )
+                            .await
+                    })
+                })
+                .collect();
+            for send in sends {
+                send.await.unwrap().unwrap();
+            }
+            assert_eq!(
+                transport.producers_created(),
+                ["persistent://public/default/dlq"]
+            );
+            assert_eq!(transport.published("dlq").len(), 5);
+        });
+    }
+
+    #[test]
+    fn a_failed_producer_creation_is_retried_by_the_next_caller() {
+        run_local(async {
+            let transport = MemoryTransport::new();
+            transport.fail_producer_creation("dlq", 1);
+            let producers: Producers<MemoryTransport> = Producers::default();
+            let topic = "persistent://public/default/dlq";
+            assert!(producers
+                .send(&transport, topic, OutgoingMessage::new("a"))
+                .await
+                .is_err());
+            assert!(transport.producers_created().is_empty());
+            producers
+                .send(&transport, topic, OutgoingMessage::new("b"))
+                .await
+                .unwrap();
+            assert_eq!(transport.producers_created(), [topic]);
+            assert_eq!(transport.published("dlq"), [OutgoingMessage::new("b")]);
+        });
+    }
+}

@@ -1,0 +1,523 @@
+//! Failure routing, replies, validation, topic families and retry-topic
+//! checks, through the public API on the in-memory transport.
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use super::{dispatcher, run_local, settle_down, spawn_run};
+use crate::routing::{DEAD_LETTER_TOPIC, ORIGIN_MESSAGE_ID, REAL_TOPIC, RECONSUMETIMES};
+use crate::transport::{Event, MemoryTransport, OutgoingMessage};
+use crate::{
+    priorities, DeadLetterPolicy, Dispatcher, Error, ErrorClass, Message, RetryTopicCheck,
+    RetryTopicProblem, SubType, SubscribeOptions, TopicFamily,
+};
+
+#[derive(Debug, thiserror::Error)]
+#[error("invalid order")]
+struct InvalidOrder;
+
+#[derive(Debug, thiserror::Error)]
+#[error("service unavailable")]
+struct ServiceUnavailable;
+
+const ORDERS: &str = "persistent://public/default/orders";
+const RETRY: &str = "persistent://public/default/orders-retry";
+const DLQ: &str = "persistent://public/default/orders-orders-sub-DLQ";
+
+fn property<'a>(message: &'a OutgoingMessage, key: &str) -> Option<&'a str> {
+    message
+        .properties
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
+
+fn routed_options() -> SubscribeOptions {
+    SubscribeOptions::new()
+        .subscription("orders-sub")
+        .subscription_type(SubType::Shared)
+        .negative_ack_redelivery_delay(Duration::ZERO)
+        .fatal_errors(ErrorClass::of::<InvalidOrder>())
+        .retry_errors(ErrorClass::of::<ServiceUnavailable>())
+        .retry_topic("orders-retry")
+}
+
+/// Fails with the error its payload names.
+async fn failing(message: &Message) -> Result<(), Box<dyn std::error::Error>> {
+    match message.payload() {
+        b"invalid" => Err(InvalidOrder.into()),
+        b"unavailable" => Err(ServiceUnavailable.into()),
+        b"other" => Err("something else".into()),
+        b"panic" => panic!("handler bug"),
+        _ => Ok(()),
+    }
+}
+
+fn send(transport: &MemoryTransport, topic: &str, payload: &str) -> crate::MessageId {
+    transport.send_message(
+        topic,
+        OutgoingMessage {
+            payload: payload.as_bytes().to_vec(),
+            properties: vec![("app".into(), "kept".into())],
+            partition_key: Some("customer-7".into()),
+            ordering_key: Some(b"ok".to_vec()),
+            event_time: Some(42),
+            deliver_at_time: None,
+        },
+    )
+}
+
+async fn run_until(
+    dispatcher: Dispatcher<MemoryTransport>,
+    until: impl AsyncFn(&MemoryTransport),
+) -> MemoryTransport {
+    let transport = dispatcher.transport().clone();
+    let dispatcher = Rc::new(dispatcher);
+    let run = spawn_run(&dispatcher);
+    until(&transport).await;
+    settle_down().await;
+    dispatcher.close().await;
+    run.await.unwrap().unwrap();
+    transport
+}
+
+#[test]
+fn a_fatal_error_dead_letters_the_message_with_its_content_and_origin() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let id = send(&transport, "orders", "invalid");
+        dispatcher
+            .subscribe("orders", failing, routed_options())
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("orders", 1).await).await;
+        let dead = transport.published(DLQ);
+        assert_eq!(dead.len(), 1);
+        let dead = &dead[0];
+        assert_eq!(dead.payload, b"invalid");
+        assert_eq!(dead.partition_key.as_deref(), Some("customer-7"));
+        assert_eq!(dead.ordering_key.as_deref(), Some(&b"ok"[..]));
+        assert_eq!(dead.event_time, Some(42));
+        assert_eq!(property(dead, "app"), Some("kept"));
+        assert_eq!(property(dead, REAL_TOPIC), Some(ORDERS));
+        assert_eq!(
+            property(dead, ORIGIN_MESSAGE_ID),
+            Some(id.to_string().as_str())
+        );
+        assert_eq!(dead.deliver_at_time, None);
+        assert!(transport.nacked("orders").is_empty());
+        // The dead letter is published before the original is acked.
+        let events = transport.events();
+        let published_at = events
+            .iter()
+            .position(|e| matches!(e, Event::Published { topic } if &**topic == DLQ))
+            .unwrap();
+        let acked_at = events
+            .iter()
+            .position(|e| matches!(e, Event::Acked { id: acked, .. } if *acked == id))
+            .unwrap();
+        assert!(published_at < acked_at);
+    });
+}
+
+#[test]
+fn a_dead_letter_policy_names_the_dead_letter_topic() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        send(&transport, "orders", "invalid");
+        let options = routed_options().dead_letter_policy(DeadLetterPolicy {
+            max_redeliver_count: 5,
+            dead_letter_topic: "orders-graveyard".into(),
+        });
+        dispatcher
+            .subscribe("orders", failing, options)
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("orders", 1).await).await;
+        assert_eq!(transport.published("orders-graveyard").len(), 1);
+        assert!(transport.published(DLQ).is_empty());
+    });
+}
+
+#[test]
+fn fatal_beats_retry_and_panics_are_only_ever_nacked() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        send(&transport, "orders", "invalid");
+        let panicking = send(&transport, "orders", "panic");
+        let everything = ErrorClass::matching(|_| true);
+        let options = routed_options()
+            .fatal_errors(everything.clone())
+            .retry_errors(everything);
+        // The panicking message would loop forever; let it be redelivered
+        // once and then succeed.
+        let handler = async |message: &Message| match message.payload() {
+            b"panic" if message.redelivery_count() == Some(0) => panic!("handler bug"),
+            b"panic" => Ok(()),
+            _ => failing(message).await,
+        };
+        dispatcher
+            .subscribe("orders", handler, options)
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("orders", 2).await).await;
+        assert_eq!(transport.published(DLQ).len(), 1, "the fatal one only");
+        assert!(transport.published(RETRY).is_empty());
+        assert_eq!(transport.nacked("orders"), [panicking]);
+    });
+}
+
+#[test]
+fn retries_count_up_and_end_in_the_original_dead_letter_topic() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        send(&transport, "orders", "unavailable");
+        let options = routed_options().max_retries(2);
+        dispatcher
+            .subscribe("orders", failing, options.clone().priority(10))
+            .await
+            .unwrap();
+        // The retry topic's own subscription has a different dead letter
+        // topic; exhausted retries must still land in the original one.
+        dispatcher
+            .subscribe(
+                "orders-retry",
+                failing,
+                options.subscription("retry-sub").priority(20),
+            )
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("orders-retry", 2).await).await;
+        let retries = transport.published(RETRY);
+        assert_eq!(retries.len(), 2);
+        assert_eq!(property(&retries[0], RECONSUMETIMES), Some("1"));
+        assert_eq!(property(&retries[1], RECONSUMETIMES), Some("2"));
+        for retry in &retries {
+            assert_eq!(property(retry, REAL_TOPIC), Some(ORDERS));
+            assert_eq!(property(retry, DEAD_LETTER_TOPIC), Some(DLQ));
+            assert!(retry.deliver_at_time.is_some());
+        }
+        let dead = transport.published(DLQ);
+        assert_eq!(dead.len(), 1);
+        assert_eq!(property(&dead[0], RECONSUMETIMES), Some("2"));
+        assert_eq!(property(&dead[0], REAL_TOPIC), Some(ORDERS));
+        assert!(transport
+            .published("persistent://public/default/orders-retry-retry-sub-DLQ")
+            .is_empty());
+    });
+}
+
+#[test]
+fn an_untrusted_dead_letter_topic_property_is_ignored() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        transport.send_message(
+            "orders",
+            OutgoingMessage {
+                payload: b"invalid".to_vec(),
+                properties: vec![(
+                    DEAD_LETTER_TOPIC.into(),
+                    "persistent://public/default/attacker".into(),
+                )],
+                ..Default::default()
+            },
+        );
+        dispatcher
+            .subscribe("orders", failing, routed_options())
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("orders", 1).await).await;
+        assert!(transport.published("attacker").is_empty());
+        assert_eq!(transport.published(DLQ).len(), 1);
+    });
+}
+
+#[test]
+fn a_failed_republish_nacks_the_original() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        transport.fail_producer_creation(DLQ, 1);
+        let id = send(&transport, "orders", "invalid");
+        dispatcher
+            .subscribe("orders", failing, routed_options())
+            .await
+            .unwrap();
+        // Nacked, redelivered, and dead-lettered on the second attempt once
+        // the producer can be created.
+        run_until(dispatcher, async |t| t.wait_acked("orders", 1).await).await;
+        assert_eq!(transport.nacked("orders"), std::slice::from_ref(&id));
+        assert_eq!(transport.acked("orders"), [id]);
+        assert_eq!(transport.published(DLQ).len(), 1);
+    });
+}
+
+#[test]
+fn replies_are_published_before_the_ack_and_only_when_returned() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let with_reply = transport.send("images", "cat");
+        let without = transport.send("images", "skip");
+        dispatcher
+            .subscribe(
+                "images",
+                async |message: &Message| {
+                    Ok::<_, std::convert::Infallible>(if message.payload() == b"skip" {
+                        None
+                    } else {
+                        Some([b"thumb-", message.payload()].concat())
+                    })
+                },
+                SubscribeOptions::new().reply_topic("thumbnails"),
+            )
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("images", 2).await).await;
+        assert_eq!(
+            transport.published("thumbnails"),
+            [OutgoingMessage::new("thumb-cat")]
+        );
+        let events = transport.events();
+        let reply_at = events
+            .iter()
+            .position(|e| matches!(e, Event::Published { .. }))
+            .unwrap();
+        let ack_at = events
+            .iter()
+            .position(|e| matches!(e, Event::Acked { id, .. } if *id == with_reply))
+            .unwrap();
+        assert!(reply_at < ack_at);
+        assert!(transport.acked("images").contains(&without));
+    });
+}
+
+#[test]
+fn a_failed_reply_nacks_so_the_handler_runs_again() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        transport.fail_producer_creation("thumbnails", 1);
+        let id = transport.send("images", "cat");
+        dispatcher
+            .subscribe(
+                "images",
+                async |_: &Message| Ok::<_, std::convert::Infallible>(b"thumb".to_vec()),
+                SubscribeOptions::new()
+                    .reply_topic("thumbnails")
+                    .negative_ack_redelivery_delay(Duration::ZERO),
+            )
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("images", 1).await).await;
+        assert_eq!(transport.nacked("images"), [id]);
+        assert_eq!(transport.published("thumbnails").len(), 1);
+    });
+}
+
+#[test]
+fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let any = || ErrorClass::matching(|_| true);
+        let cases: Vec<(&str, SubscribeOptions)> = vec![
+            ("retry_errors", SubscribeOptions::new().retry_errors(any())),
+            ("retry_topic", SubscribeOptions::new().retry_topic("r")),
+            (
+                "retry_backoff",
+                SubscribeOptions::new().retry_backoff(|_| Duration::ZERO),
+            ),
+            ("max_retries", SubscribeOptions::new().max_retries(3)),
+            (
+                "max_retries",
+                SubscribeOptions::new()
+                    .subscription("s")
+                    .retry_errors(any())
+                    .retry_topic("r")
+                    .max_retries(0),
+            ),
+            (
+                "max_retries",
+                SubscribeOptions::new()
+                    .retry_errors(any())
+                    .retry_topic("r")
+                    .max_retries(2),
+            ),
+            ("fatal_errors", SubscribeOptions::new().fatal_errors(any())),
+        ];
+        for (option, options) in cases {
+            let refused = dispatcher.subscribe("orders", failing, options).await;
+            assert!(
+                matches!(&refused, Err(Error::InvalidOption { option: o, .. }) if *o == option),
+                "expected {option} to be named: {refused:?}"
+            );
+        }
+        let refused = dispatcher
+            .subscribe("orders", failing, routed_options().reply_topic("bad//name"))
+            .await;
+        assert!(matches!(refused, Err(Error::InvalidTopic { .. })));
+        assert_eq!(transport.open_consumers(), 0);
+        assert!(dispatcher.subscriptions().is_empty());
+        // A dead letter policy is as good as a subscription name.
+        let with_policy = SubscribeOptions::new()
+            .fatal_errors(any())
+            .dead_letter_policy(DeadLetterPolicy {
+                max_redeliver_count: 3,
+                dead_letter_topic: "dlq".into(),
+            });
+        dispatcher
+            .subscribe("orders", failing, with_policy)
+            .await
+            .unwrap();
+    });
+}
+
+priorities! {
+    enum Level { Live = 100, Batch = 200 }
+}
+priorities! {
+    enum Lane { High = 10, Low = 20, Retry = 50 }
+}
+
+#[test]
+fn a_topic_family_subscribes_six_topics_with_their_priorities_and_retry_topics() {
+    run_local(async {
+        let (dispatcher, _transport) = dispatcher(4);
+        let family = TopicFamily::<Level, Lane>::new("orders").retry_sublevel(Lane::Retry);
+        let options = SubscribeOptions::new()
+            .subscription("orders-sub")
+            .subscription_type(SubType::Shared)
+            .retry_errors(ErrorClass::of::<ServiceUnavailable>());
+        dispatcher
+            .subscribe_family(&family, failing, options)
+            .await
+            .unwrap();
+        let table: Vec<(String, i64, Option<String>)> = dispatcher
+            .subscriptions()
+            .into_iter()
+            .map(|s| (s.topic, s.priority, s.retry_topic))
+            .collect();
+        let full = |name: &str| format!("persistent://public/default/{name}");
+        let expected: Vec<(String, i64, Option<String>)> = [
+            ("orders_live_high", 110, "orders_live_retry"),
+            ("orders_live_low", 120, "orders_live_retry"),
+            ("orders_live_retry", 150, "orders_live_retry"),
+            ("orders_batch_high", 210, "orders_batch_retry"),
+            ("orders_batch_low", 220, "orders_batch_retry"),
+            ("orders_batch_retry", 250, "orders_batch_retry"),
+        ]
+        .into_iter()
+        .map(|(topic, priority, retry)| (full(topic), priority, Some(full(retry))))
+        .collect();
+        assert_eq!(table, expected);
+    });
+}
+
+#[test]
+fn an_invalid_or_failing_family_leaves_the_dispatcher_unchanged() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let family = TopicFamily::<Level, Lane>::new("orders").retry_sublevel(Lane::Retry);
+        let both = SubscribeOptions::new()
+            .retry_errors(ErrorClass::of::<ServiceUnavailable>())
+            .retry_topic("elsewhere");
+        let refused = dispatcher.subscribe_family(&family, failing, both).await;
+        assert!(matches!(
+            refused,
+            Err(Error::InvalidOption {
+                option: "retry_topic",
+                ..
+            })
+        ));
+
+        priorities! { enum Wide { A = 100, B = 140 } }
+        let too_wide = TopicFamily::<Wide, Lane>::new("orders");
+        let refused = dispatcher
+            .subscribe_family(&too_wide, failing, SubscribeOptions::new())
+            .await;
+        assert!(matches!(
+            refused,
+            Err(Error::InvalidOption {
+                option: "sublevels",
+                ..
+            })
+        ));
+
+        // The broker refuses the fifth topic: the four consumers already
+        // created are closed and nothing is registered.
+        transport.fail_subscribe("orders_batch_low");
+        let refused = dispatcher
+            .subscribe_family(
+                &family,
+                failing,
+                SubscribeOptions::new().retry_errors(ErrorClass::of::<ServiceUnavailable>()),
+            )
+            .await;
+        assert!(
+            matches!(refused, Err(Error::Subscribe { .. })),
+            "{refused:?}"
+        );
+        assert!(dispatcher.subscriptions().is_empty());
+        assert_eq!(transport.open_consumers(), 0);
+    });
+}
+
+#[test]
+fn run_checks_retry_topics_as_configured() {
+    run_local(async {
+        let make = |check| {
+            Dispatcher::builder()
+                .retry_topic_check(check)
+                .build(MemoryTransport::new())
+                .unwrap()
+        };
+        let exclusive_retry_consumer = SubscribeOptions::new()
+            .subscription("retry-sub")
+            .subscription_type(SubType::Exclusive);
+
+        let refusing = make(RetryTopicCheck::Refuse);
+        refusing
+            .subscribe("orders", failing, routed_options())
+            .await
+            .unwrap();
+        refusing
+            .subscribe(
+                "payments",
+                failing,
+                routed_options().retry_topic("payments-retry"),
+            )
+            .await
+            .unwrap();
+        refusing
+            .subscribe("orders-retry", failing, exclusive_retry_consumer.clone())
+            .await
+            .unwrap();
+        match refusing.run().await {
+            Err(Error::RetryTopics(problems)) => assert_eq!(
+                problems,
+                [
+                    RetryTopicProblem::DelaysIgnored {
+                        retry_topic: RETRY.into(),
+                        subscription_type: SubType::Exclusive,
+                    },
+                    RetryTopicProblem::NotConsumed {
+                        retry_topic: "persistent://public/default/payments-retry".into(),
+                        topic: "persistent://public/default/payments".into(),
+                    },
+                ]
+            ),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        refusing.close().await;
+
+        for check in [RetryTopicCheck::Warn, RetryTopicCheck::Ignore] {
+            let starting = Rc::new(make(check));
+            starting
+                .subscribe("orders", failing, routed_options())
+                .await
+                .unwrap();
+            let run = spawn_run(&starting);
+            settle_down().await;
+            assert!(!run.is_finished(), "{check:?} starts anyway");
+            starting.close().await;
+            run.await.unwrap().unwrap();
+        }
+    });
+}
