@@ -8,6 +8,7 @@ mod setup;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
+use std::time::{Duration, Instant};
 
 use broker::BrokerAddr;
 
@@ -32,8 +33,13 @@ environment:
   PULSAR_WEB_URL             broker admin/web URL (default http://<PULSAR_URL host>:8080)
   PULSAR_START_TIMEOUT_SECS  how long `broker start` waits for the broker (default 180)
   PULSAR_JAVA_OPTS           extra JVM options for the broker
+  XTASK_TEST_TIMEOUT_SECS    limit for each `cargo test` run of `cargo xtask test` (default 2400)
   JAVA_HOME                  Java 17+ to run the broker with (default: `java` on PATH)
 ";
+
+/// Upper bound for one `cargo test` run (build included), so that a hung
+/// test fails CI with a message instead of eating its whole time budget.
+const DEFAULT_TEST_TIMEOUT_SECS: u64 = 40 * 60;
 
 /// Paths of the workspace that xtask reads and writes.
 pub struct Paths {
@@ -92,6 +98,93 @@ pub fn run_checked(cmd: &mut Command) -> Result<(), String> {
     } else {
         Err(format!("`{}` failed ({status})", describe(cmd)))
     }
+}
+
+/// Runs a command with inherited stdio; if it has not finished after `limit`,
+/// terminates it and every process below it (a hung test binary included)
+/// and reports that as an error.
+fn run_with_deadline(cmd: &mut Command, limit: Duration) -> Result<ExitStatus, String> {
+    let what = describe(cmd);
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot run `{what}`: {e}"))?;
+    let begun = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().map_err(|e| format!("`{what}`: {e}"))? {
+            return Ok(status);
+        }
+        if begun.elapsed() > limit {
+            info(&format!(
+                "`{what}` did not finish within {} s (XTASK_TEST_TIMEOUT_SECS); terminating it",
+                limit.as_secs()
+            ));
+            let mut pids = descendants(child.id());
+            pids.push(child.id());
+            for signal in ["-TERM", "-KILL"] {
+                for pid in &pids {
+                    let _ = Command::new("kill")
+                        .args([signal, &pid.to_string()])
+                        .stderr(std::process::Stdio::null())
+                        .status();
+                }
+                let grace = Instant::now();
+                while grace.elapsed() < Duration::from_secs(10) {
+                    if !matches!(child.try_wait(), Ok(None)) {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+            let _ = child.wait();
+            return Err(format!("`{what}` timed out after {} s", limit.as_secs()));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// All processes below `root`, from the parent pids in /proc.
+fn descendants(root: u32) -> Vec<u32> {
+    let mut parent_of = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for entry in entries.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // Fields after the parenthesised command: state, ppid, ...
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if let Some(ppid) = ppid {
+                parent_of.push((pid, ppid));
+            }
+        }
+    }
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(
+            parent_of
+                .iter()
+                .filter(|(_, ppid)| *ppid == parent)
+                .map(|(pid, _)| *pid),
+        );
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+fn test_timeout() -> Duration {
+    let secs = std::env::var("XTASK_TEST_TIMEOUT_SECS")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(DEFAULT_TEST_TIMEOUT_SECS);
+    Duration::from_secs(secs)
 }
 
 fn cargo() -> Command {
@@ -218,8 +311,10 @@ fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
     tests.current_dir(&paths.root).envs(env.clone());
     let what = describe(&tests);
     info(&format!("running {what}"));
-    if !run_status(&mut tests)?.success() {
-        failures.push(what);
+    match run_with_deadline(&mut tests, test_timeout()) {
+        Ok(status) if status.success() => {}
+        Ok(_) => failures.push(what),
+        Err(e) => failures.push(e),
     }
     if extra.is_empty() {
         let mut doc = cargo();
@@ -227,8 +322,10 @@ fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
             .current_dir(&paths.root)
             .envs(env);
         info("running cargo test --workspace --doc");
-        if !run_status(&mut doc)?.success() {
-            failures.push("cargo test --workspace --doc".to_string());
+        match run_with_deadline(&mut doc, test_timeout()) {
+            Ok(status) if status.success() => {}
+            Ok(_) => failures.push("cargo test --workspace --doc".to_string()),
+            Err(e) => failures.push(e),
         }
     }
 
