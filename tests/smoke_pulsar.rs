@@ -8,7 +8,6 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
@@ -17,8 +16,8 @@ use pulsar::{producer, Consumer, ConsumerOptions, Pulsar, SubType, TokioExecutor
 use serde_json::{json, Value};
 
 use common::{
-    client, interop_script, now_millis, pulsar_url, python, run_local, subscription_stats,
-    unique_name, unique_topic, wait_for_stats,
+    client, now_millis, pulsar_url, run_interop, run_local, subscription_stats, unique_name,
+    unique_topic, wait_for_stats,
 };
 
 type Client = Pulsar<TokioExecutor>;
@@ -98,47 +97,6 @@ fn plain(payload: &str) -> producer::Message {
         payload: payload.as_bytes().to_vec(),
         ..Default::default()
     }
-}
-
-/// Runs a script of tests/interop with the test virtualenv's Python, passing
-/// `request` as JSON on stdin, and returns the JSON of its `RESULT` line.
-/// Runs on tokio's blocking pool so the runtime's tasks keep running.
-async fn run_interop(script: &str, request: Value) -> Value {
-    let script = interop_script(script);
-    let python = python();
-    tokio::task::spawn_blocking(move || {
-        let mut child = Command::new(&python)
-            .arg(&script)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("running {} {}: {e}", python.display(), script.display()));
-        {
-            use std::io::Write;
-            let mut stdin = child.stdin.take().expect("piped stdin");
-            stdin
-                .write_all(request.to_string().as_bytes())
-                .expect("writing the request");
-        }
-        let out = child.wait_with_output().expect("waiting for python");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "{} failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
-            script.display(),
-            out.status
-        );
-        let line = stdout
-            .lines()
-            .rev()
-            .find_map(|l| l.strip_prefix("RESULT "))
-            .unwrap_or_else(|| panic!("no RESULT line from {}:\n{stdout}", script.display()));
-        serde_json::from_str(line).expect("RESULT is JSON")
-    })
-    .await
-    .expect("python runner thread")
 }
 
 /// Shared subscription, receiver queue of one: messages arrive in order, an

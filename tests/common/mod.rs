@@ -13,6 +13,7 @@ use std::future::Future;
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -269,4 +270,44 @@ pub async fn client() -> pulsar::Pulsar<pulsar::TokioExecutor> {
         .build()
         .await
         .unwrap_or_else(|e| panic!("connecting to {url}: {e}"))
+}
+
+/// Runs a script of tests/interop with the test virtualenv's Python, passing
+/// `request` as JSON on stdin, and returns the JSON of its `RESULT` line.
+/// Runs on tokio's blocking pool so the runtime's tasks keep running.
+pub async fn run_interop(script: &str, request: serde_json::Value) -> serde_json::Value {
+    let script = interop_script(script);
+    let python = python();
+    tokio::task::spawn_blocking(move || {
+        let mut child = Command::new(&python)
+            .arg(&script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("running {} {}: {e}", python.display(), script.display()));
+        {
+            let mut stdin = child.stdin.take().expect("piped stdin");
+            stdin
+                .write_all(request.to_string().as_bytes())
+                .expect("writing the request");
+        }
+        let out = child.wait_with_output().expect("waiting for python");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "{} failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            script.display(),
+            out.status
+        );
+        let line = stdout
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix("RESULT "))
+            .unwrap_or_else(|| panic!("no RESULT line from {}:\n{stdout}", script.display()));
+        serde_json::from_str(line).expect("RESULT is JSON")
+    })
+    .await
+    .expect("python runner thread")
 }

@@ -1,0 +1,384 @@
+//! Failure routing against a real Apache Pulsar broker: dead letters,
+//! delayed retries and their limit, replies, topic families, and the
+//! retry-letter properties as another client reads them.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use common::{
+    client, pulsar_url, run_interop, run_local, topic_stats, unique_name, unique_topic,
+    wait_for_stats,
+};
+use futures::StreamExt;
+use pulsar::consumer::InitialPosition;
+use pulsar::{Consumer, ConsumerOptions, TokioExecutor};
+use pulsar_dispatcher::{
+    priorities, Dispatcher, ErrorClass, Message, RetryTopicCheck, SubType, SubscribeOptions,
+    TopicFamily,
+};
+use serde_json::json;
+
+#[derive(Debug, thiserror::Error)]
+#[error("invalid order")]
+struct InvalidOrder;
+
+#[derive(Debug, thiserror::Error)]
+#[error("service unavailable")]
+struct ServiceUnavailable;
+
+async fn fail_as_told(message: &Message) -> Result<(), Box<dyn std::error::Error>> {
+    match message.payload() {
+        b"invalid" => Err(InvalidOrder.into()),
+        b"unavailable" => Err(ServiceUnavailable.into()),
+        _ => Ok(()),
+    }
+}
+
+fn shared(subscription: &str) -> SubscribeOptions {
+    SubscribeOptions::new()
+        .subscription(subscription)
+        .subscription_type(SubType::Shared)
+        .fatal_errors(ErrorClass::of::<InvalidOrder>())
+        .consumer_options(
+            ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
+        )
+}
+
+/// A plain consumer that reads `topic` from its start.
+async fn reader(topic: &str) -> Consumer<Vec<u8>, TokioExecutor> {
+    client()
+        .await
+        .consumer()
+        .with_topic(topic)
+        .with_subscription(unique_name("reader"))
+        .with_subscription_type(SubType::Shared)
+        .with_options(ConsumerOptions::default().with_initial_position(InitialPosition::Earliest))
+        .build()
+        .await
+        .expect("reader consumer")
+}
+
+async fn next_message(
+    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    what: &str,
+) -> pulsar::consumer::Message<Vec<u8>> {
+    let message = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        .await
+        .unwrap_or_else(|_| panic!("no {what} within 30 s"))
+        .expect("stream open")
+        .expect("a message");
+    consumer.ack(&message).await.expect("ack");
+    message
+}
+
+fn properties(message: &pulsar::consumer::Message<Vec<u8>>) -> BTreeMap<String, String> {
+    message
+        .metadata()
+        .properties
+        .iter()
+        .map(|p| (p.key.clone(), p.value.clone()))
+        .collect()
+}
+
+async fn publish_order(topic: &str, payload: &str) {
+    let client = client().await;
+    let mut producer = client.producer().with_topic(topic).build().await.unwrap();
+    let message = pulsar::producer::Message {
+        payload: payload.as_bytes().to_vec(),
+        properties: [("order".to_string(), "17".to_string())].into(),
+        partition_key: Some("customer-3".into()),
+        ordering_key: Some(b"order-17".to_vec()),
+        event_time: Some(1_700_000_000_000),
+        ..Default::default()
+    };
+    producer
+        .send_non_blocking(message)
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+async fn start(
+    dispatcher: &Rc<Dispatcher>,
+) -> tokio::task::JoinHandle<Result<(), pulsar_dispatcher::Error>> {
+    let runner = dispatcher.clone();
+    tokio::task::spawn_local(async move { runner.run().await })
+}
+
+#[test]
+fn a_fatal_error_lands_in_the_dead_letter_topic_intact() {
+    run_local(Duration::from_secs(90), async {
+        let topic = unique_topic("fatal");
+        let subscription = unique_name("orders-sub");
+        let dead_letter_topic = format!("{topic}-{subscription}-DLQ");
+        let mut dead_letters = reader(&dead_letter_topic).await;
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        dispatcher
+            .subscribe(&topic, fail_as_told, shared(&subscription))
+            .await
+            .unwrap();
+        let run = start(&dispatcher).await;
+        publish_order(&topic, "invalid").await;
+
+        let dead = next_message(&mut dead_letters, "dead letter").await;
+        assert_eq!(dead.payload.data, b"invalid");
+        assert_eq!(dead.metadata().partition_key.as_deref(), Some("customer-3"));
+        assert_eq!(
+            dead.metadata().ordering_key.as_deref(),
+            Some(&b"order-17"[..])
+        );
+        assert_eq!(dead.metadata().event_time, Some(1_700_000_000_000));
+        let props = properties(&dead);
+        assert_eq!(props["order"], "17");
+        assert_eq!(props["REAL_TOPIC"], topic);
+        let origin: Vec<&str> = props["ORIGIN_MESSAGE_ID"].split(':').collect();
+        assert_eq!(origin.len(), 3, "ledger:entry:partition, got {origin:?}");
+        assert!(origin.iter().all(|part| part.parse::<i64>().is_ok()));
+        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        assert_eq!(stats.msg_backlog, 0, "the original was acked");
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic() {
+    run_local(Duration::from_secs(120), async {
+        let topic = unique_topic("orders");
+        let retry_topic = format!("{topic}-retry");
+        let subscription = unique_name("orders-sub");
+        let dead_letter_topic = format!("{topic}-{subscription}-DLQ");
+        let mut dead_letters = reader(&dead_letter_topic).await;
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let attempts: Rc<RefCell<Vec<(Instant, String, Option<String>)>>> = Rc::default();
+        let options = shared(&subscription)
+            .retry_errors(ErrorClass::of::<ServiceUnavailable>())
+            .retry_topic(&retry_topic)
+            .retry_backoff(|retry| Duration::from_secs(u64::from(retry)))
+            .max_retries(2);
+        for (topic, priority) in [(&topic, 10), (&retry_topic, 20)] {
+            let attempts = attempts.clone();
+            let handler = async move |message: &Message| {
+                attempts.borrow_mut().push((
+                    Instant::now(),
+                    message.topic().to_owned(),
+                    message.property("RECONSUMETIMES").map(str::to_owned),
+                ));
+                fail_as_told(message).await
+            };
+            dispatcher
+                .subscribe(topic, handler, options.clone().priority(priority))
+                .await
+                .unwrap();
+        }
+        let run = start(&dispatcher).await;
+        publish_order(&topic, "unavailable").await;
+
+        let dead = next_message(&mut dead_letters, "dead letter after two retries").await;
+        let props = properties(&dead);
+        assert_eq!(props["RECONSUMETIMES"], "2");
+        assert_eq!(props["REAL_TOPIC"], topic);
+        assert_eq!(props["DEAD_LETTER_TOPIC"], dead_letter_topic);
+        assert_eq!(dead.payload.data, b"unavailable");
+
+        let attempts = attempts.borrow().clone();
+        let seen: Vec<(&str, Option<&str>)> = attempts
+            .iter()
+            .map(|(_, t, r)| (t.as_str(), r.as_deref()))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (topic.as_str(), None),
+                (retry_topic.as_str(), Some("1")),
+                (retry_topic.as_str(), Some("2")),
+            ]
+        );
+        // The broker held each retry for at least its delay (1 s, then 2 s);
+        // a little slack for clock granularity between publish and delivery.
+        let slack = Duration::from_millis(50);
+        assert!(attempts[1].0 - attempts[0].0 + slack >= Duration::from_secs(1));
+        assert!(attempts[2].0 - attempts[1].0 + slack >= Duration::from_secs(2));
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn a_reply_is_published_before_the_original_is_acked() {
+    run_local(Duration::from_secs(60), async {
+        let topic = unique_topic("images");
+        let reply_topic = unique_topic("thumbnails");
+        let subscription = unique_name("resizer");
+        let mut replies = reader(&reply_topic).await;
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        dispatcher
+            .subscribe(
+                &topic,
+                async |message: &Message| {
+                    Ok::<_, std::convert::Infallible>([b"thumb:", message.payload()].concat())
+                },
+                shared(&subscription).reply_topic(&reply_topic),
+            )
+            .await
+            .unwrap();
+        let run = start(&dispatcher).await;
+        publish_order(&topic, "cat.png").await;
+        let reply = next_message(&mut replies, "reply").await;
+        assert_eq!(reply.payload.data, b"thumb:cat.png");
+        let acked = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        assert_eq!(acked.msg_backlog, 0);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+priorities! {
+    enum Level { Live = 100, Batch = 200 }
+}
+priorities! {
+    enum Lane { High = 10, Low = 20, Retry = 50 }
+}
+
+#[test]
+fn a_topic_family_subscribes_the_documented_topics_and_priorities() {
+    run_local(Duration::from_secs(90), async {
+        let prefix = unique_name("orders").replace('-', "");
+        let subscription = unique_name("orders-sub");
+        let dispatcher = Rc::new(
+            Dispatcher::builder()
+                .concurrency(1)
+                .connect(&pulsar_url())
+                .await
+                .unwrap(),
+        );
+        let handled: Rc<RefCell<Vec<String>>> = Rc::default();
+        let record = handled.clone();
+        let family = TopicFamily::<Level, Lane>::new(&prefix).retry_sublevel(Lane::Retry);
+        dispatcher
+            .subscribe_family(
+                &family,
+                async move |message: &Message| {
+                    record.borrow_mut().push(message.topic().to_owned());
+                    fail_as_told(message).await
+                },
+                shared(&subscription).retry_errors(ErrorClass::of::<ServiceUnavailable>()),
+            )
+            .await
+            .unwrap();
+        let names = [
+            ("live_high", 110),
+            ("live_low", 120),
+            ("live_retry", 150),
+            ("batch_high", 210),
+            ("batch_low", 220),
+            ("batch_retry", 250),
+        ];
+        let registered: Vec<(String, i64)> = dispatcher
+            .subscriptions()
+            .into_iter()
+            .map(|s| (s.topic, s.priority))
+            .collect();
+        let expected: Vec<(String, i64)> = names
+            .iter()
+            .map(|(name, p)| (format!("persistent://public/default/{prefix}_{name}"), *p))
+            .collect();
+        assert_eq!(registered, expected);
+        for (topic, _) in &expected {
+            let stats = topic_stats(topic);
+            assert!(
+                stats["subscriptions"].get(&subscription).is_some(),
+                "{topic} has no subscription {subscription} on the broker"
+            );
+        }
+        // Every member topic delivers to the one handler.
+        for (topic, _) in expected.iter().rev() {
+            publish_order(topic, "ok").await;
+        }
+        let run = start(&dispatcher).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while handled.borrow().len() < 6 {
+            assert!(
+                Instant::now() < deadline,
+                "handled only {:?}",
+                handled.borrow()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(handled.borrow().len(), 6);
+    });
+}
+
+#[test]
+fn a_retried_message_carries_the_java_retry_letter_properties_for_python() {
+    run_local(Duration::from_secs(90), async {
+        let topic = unique_topic("interop-retry");
+        let retry_topic = format!("{topic}-retry");
+        let subscription = unique_name("orders-sub");
+        // Another service (here, Python) consumes the retry topic.
+        let dispatcher = Rc::new(
+            Dispatcher::builder()
+                .retry_topic_check(RetryTopicCheck::Ignore)
+                .connect(&pulsar_url())
+                .await
+                .unwrap(),
+        );
+        dispatcher
+            .subscribe(
+                &topic,
+                fail_as_told,
+                shared(&subscription)
+                    .retry_errors(ErrorClass::of::<ServiceUnavailable>())
+                    .retry_topic(&retry_topic),
+            )
+            .await
+            .unwrap();
+        let run = start(&dispatcher).await;
+        // Create the Python side's subscription first so it sees the retry.
+        let python = run_interop(
+            "consume.py",
+            json!({
+                "service_url": pulsar_url(),
+                "topic": retry_topic,
+                "subscription": unique_name("python"),
+                "count": 1,
+                "timeout_ms": 30000,
+            }),
+        );
+        let publish = async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            publish_order(&topic, "unavailable").await;
+        };
+        let (result, ()) = tokio::join!(python, publish);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+
+        let message = &result["messages"][0];
+        assert_eq!(message["payload"], "unavailable");
+        assert_eq!(message["partition_key"], "customer-3");
+        let props = &message["properties"];
+        assert_eq!(props["RECONSUMETIMES"], "1");
+        assert_eq!(props["REAL_TOPIC"], topic.as_str());
+        assert_eq!(props["DELAY_TIME"], "1000");
+        assert_eq!(props["order"], "17");
+        assert_eq!(
+            props["DEAD_LETTER_TOPIC"],
+            format!("{topic}-{subscription}-DLQ").as_str()
+        );
+        let origin = props["ORIGIN_MESSAGE_ID"].as_str().unwrap();
+        assert_eq!(origin.split(':').count(), 3, "{origin}");
+    });
+}
