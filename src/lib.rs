@@ -124,3 +124,8 @@ pub use topic::full_topic_name;
 
 #[cfg(test)]
 mod tests;
+
+/// The README's Rust examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExamples;

@@ -23,7 +23,8 @@ commands:
                    With ARGS, runs `cargo test ARGS` instead of both
                    (e.g. `cargo xtask test --test smoke_pulsar`).
   lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings
-  demo             start a broker if needed and run `cargo run --example simple_dispatcher`
+  demo [priority]  start a broker if needed and run `cargo run --example simple_dispatcher`
+                   (or `priority_dispatcher`) with DEMO_MESSAGES messages of traffic
   broker start     start the standalone broker (returns once it answers)
   broker stop      stop the broker that `broker start` started
   broker status    tell whether a broker answers (exit code 0) or not (1)
@@ -31,6 +32,7 @@ commands:
 environment:
   PULSAR_URL                 broker service URL (default pulsar://127.0.0.1:6650)
   PULSAR_WEB_URL             broker admin/web URL (default http://<PULSAR_URL host>:8080)
+  PULSAR_BOOKIE_PORT         port of the broker's in-process bookie (default 3181)
   PULSAR_START_TIMEOUT_SECS  how long `broker start` waits for the broker (default 180)
   PULSAR_JAVA_OPTS           extra JVM options for the broker
   XTASK_TEST_TIMEOUT_SECS    limit for each `cargo test` run of `cargo xtask test` (default 2400)
@@ -197,7 +199,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("test") => cmd_test(&paths, &args[1..]),
         Some("lint") => cmd_lint(&paths),
-        Some("demo") => cmd_demo(&paths),
+        Some("demo") => cmd_demo(&paths, args.get(1).map(String::as_str)),
         Some("broker") => match args.get(1).map(String::as_str) {
             Some("start") => cmd_broker_start(&paths),
             Some("stop") => cmd_broker_stop(&paths),
@@ -372,21 +374,31 @@ fn cmd_lint(paths: &Paths) -> Result<(), String> {
     }
 }
 
-fn cmd_demo(paths: &Paths) -> Result<(), String> {
+fn cmd_demo(paths: &Paths, which: Option<&str>) -> Result<(), String> {
+    let example = match which {
+        None | Some("simple") => "simple_dispatcher",
+        Some("priority") => "priority_dispatcher",
+        Some(other) => {
+            return Err(format!(
+                "unknown demo {other:?}: try `simple` or `priority`"
+            ))
+        }
+    };
     setup::ensure_protoc()?;
     let addr = BrokerAddr::from_env()?;
     let started = broker::ensure_running(paths, &addr)?;
     let messages = std::env::var("DEMO_MESSAGES").unwrap_or_else(|_| "30".into());
     let mut run = cargo();
-    run.args(["run", "--example", "simple_dispatcher"])
+    run.args(["run", "--example", example])
         .current_dir(&paths.root)
         .env("PULSAR_URL", &addr.service_url)
         .env("PULSAR_WEB_URL", &addr.web_url)
         .env("DEMO_MESSAGES", messages);
-    let status = run_status(&mut run)?;
+    let status = run_status(&mut run);
     if let Some(started) = started {
         started.stop()?;
     }
+    let status = status?;
     if status.success() {
         Ok(())
     } else {
