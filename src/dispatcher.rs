@@ -351,6 +351,18 @@ impl<T: Transport> Dispatcher<T> {
             .await
     }
 
+    /// The core and the subscription contexts, for white-box tests.
+    #[cfg(test)]
+    pub(crate) fn internals(&self) -> (Rc<Core<T>>, Vec<Rc<SubscriptionContext<T>>>) {
+        let contexts = self
+            .core
+            .contexts()
+            .iter()
+            .map(|registered| registered.context.clone())
+            .collect();
+        (self.core.clone(), contexts)
+    }
+
     /// The registered subscriptions, in the order they were made.
     pub fn subscriptions(&self) -> Vec<SubscriptionInfo> {
         self.core

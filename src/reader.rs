@@ -225,3 +225,46 @@ impl HeldNacks {
         self.due.drain(..).map(|(_, id)| id)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use super::*;
+    use crate::transport::MemoryTransport;
+    use crate::{Dispatcher, SubscribeOptions};
+
+    /// Readers only receive while the scheduler is open and insert in the
+    /// same step, so this path is a safety net: a message that cannot be
+    /// queued goes straight back to the broker.
+    #[test]
+    fn a_message_received_after_the_scheduler_closed_is_nacked_at_once() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        tokio::task::LocalSet::new().block_on(&runtime, async {
+            let transport = MemoryTransport::new();
+            let dispatcher = Dispatcher::builder().build(transport.clone()).unwrap();
+            dispatcher
+                .subscribe(
+                    "jobs",
+                    async |_: &Message| Ok::<_, Infallible>(()),
+                    SubscribeOptions::new(),
+                )
+                .await
+                .unwrap();
+            let (core, contexts) = dispatcher.internals();
+            let mut consumer = transport
+                .subscribe("persistent://public/default/jobs", &SubscribeOptions::new())
+                .await
+                .unwrap();
+            let id = transport.send("jobs", "late");
+            let message = consumer.receive().await.unwrap().unwrap();
+            core.scheduler().close();
+            offer(&core, &contexts[0], &mut consumer, message).await;
+            assert_eq!(transport.nacked("jobs"), [id]);
+            assert!(core.scheduler().has_vacancy(contexts[0].key));
+        });
+    }
+}
