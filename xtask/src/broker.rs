@@ -13,8 +13,6 @@ use crate::{info, run_status, Paths};
 
 pub const DEFAULT_SERVICE_URL: &str = "pulsar://127.0.0.1:6650";
 const DEFAULT_WEB_PORT: u16 = 8080;
-/// The in-process bookie's port (PulsarStandalone's `--bookkeeper-port` default).
-const BOOKIE_PORT: u16 = 3181;
 const DEFAULT_START_TIMEOUT_SECS: u64 = 180;
 const STOP_GRACE: Duration = Duration::from_secs(30);
 const MAIN_CLASS: &str = "org.apache.pulsar.PulsarStandaloneStarter";
@@ -185,16 +183,16 @@ pub fn ensure_running(paths: &Paths, addr: &BrokerAddr) -> Result<Option<Started
 }
 
 fn start(paths: &Paths, addr: &BrokerAddr) -> Result<StartedBroker, String> {
+    // (The in-process bookie takes an ephemeral port of its own.)
     for (port, what) in [
-        (addr.service.port, "broker service"),
-        (addr.web.port, "broker web service"),
-        (BOOKIE_PORT, "in-process bookie"),
+        (addr.service.port, "broker service (PULSAR_URL)"),
+        (addr.web.port, "broker web service (PULSAR_WEB_URL)"),
     ] {
         if let Err(e) = TcpListener::bind(("127.0.0.1", port)) {
             return Err(format!(
-                "cannot start the Pulsar broker: port {port} (for the {what}) is taken ({e}) \
-                 by something that is not a working Pulsar broker at {}",
-                addr.service_url
+                "cannot start the Pulsar broker: port {port} for the {what} is taken ({e}); \
+                 no working Pulsar broker answers at {} (web {})",
+                addr.service_url, addr.web_url
             ));
         }
     }
@@ -278,7 +276,19 @@ fn wait_until_ready(
                 log_tail(&paths.log_file, 40)
             ));
         }
-        match probe(addr) {
+        // The broker that answers must be ours: another one may have come up
+        // on the same ports meanwhile (ours then fails to bind and exits).
+        let answered = probe(addr).and_then(|()| {
+            if listens_on(broker.pid, addr.service.port) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "a broker answers at {}, but it is not the one just started (pid {})",
+                    addr.service_url, broker.pid
+                ))
+            }
+        });
+        match answered {
             Ok(()) => {
                 info(&format!(
                     "Pulsar broker ready after {:.1} s (pid {}): {}",
@@ -475,6 +485,33 @@ fn write_effective_config(paths: &Paths, addr: &BrokerAddr) -> Result<PathBuf, S
     let out = paths.target.join("pulsar-standalone.conf");
     fs::write(&out, conf).map_err(|e| format!("writing {}: {e}", out.display()))?;
     Ok(out)
+}
+
+/// Whether process `pid` holds the listening TCP socket on `port`
+/// (from /proc/net/tcp{,6} and the process's file descriptors).
+fn listens_on(pid: u32, port: u16) -> bool {
+    let port_hex = format!(":{port:04X}");
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // local_address is field 1, state 3 (0A = LISTEN), inode 9.
+            if fields.len() > 9 && fields[1].ends_with(&port_hex) && fields[3] == "0A" {
+                inodes.push(format!("socket:[{}]", fields[9]));
+            }
+        }
+    }
+    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        fs::read_link(fd.path())
+            .map(|target| inodes.iter().any(|i| target.as_os_str() == i.as_str()))
+            .unwrap_or(false)
+    })
 }
 
 pub fn read_pid(pid_file: &Path) -> Option<u32> {

@@ -32,7 +32,6 @@ commands:
 environment:
   PULSAR_URL                 broker service URL (default pulsar://127.0.0.1:6650)
   PULSAR_WEB_URL             broker admin/web URL (default http://<PULSAR_URL host>:8080)
-  PULSAR_BOOKIE_PORT         port of the broker's in-process bookie (default 3181)
   PULSAR_START_TIMEOUT_SECS  how long `broker start` waits for the broker (default 180)
   PULSAR_JAVA_OPTS           extra JVM options for the broker
   XTASK_TEST_TIMEOUT_SECS    limit for each `cargo test` run of `cargo xtask test` (default 2400)
