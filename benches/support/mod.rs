@@ -1,0 +1,355 @@
+//! Workloads shared by the criterion suites (`benches/dispatch.rs`) and the
+//! comparison run (`benches/report.rs`).
+//!
+//! Every workload is "N messages through K subscriptions at concurrency C"
+//! with no-op handlers. Messages are put on the in-memory transport before
+//! the clock starts; the clock runs from `run()` until the last handler has
+//! run. Each implementation (ours, the `spawn_local` floor, the
+//! multi-threaded port) builds its own runtime, so that nothing is shared
+//! between measurements.
+#![allow(dead_code)]
+
+pub mod mt_port;
+
+use std::cell::Cell;
+use std::convert::Infallible;
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
+
+use pulsar_dispatcher::transport::MemoryTransport;
+use pulsar_dispatcher::{Dispatcher, Message, SubscribeOptions};
+use tokio::runtime::Runtime;
+use tokio::sync::Notify;
+use tokio::task::LocalSet;
+
+/// N messages through K subscriptions at concurrency C, the subscriptions
+/// spread round-robin over `levels` priority levels.
+#[derive(Clone, Copy, Debug)]
+pub struct Workload {
+    pub subscriptions: usize,
+    pub levels: usize,
+    pub concurrency: usize,
+    pub messages: usize,
+}
+
+impl Workload {
+    pub fn new(subscriptions: usize, concurrency: usize, messages: usize) -> Self {
+        Workload {
+            subscriptions,
+            levels: 1,
+            concurrency,
+            messages,
+        }
+    }
+
+    pub fn levels(mut self, levels: usize) -> Self {
+        self.levels = levels;
+        self
+    }
+
+    pub fn messages(mut self, messages: usize) -> Self {
+        self.messages = messages;
+        self
+    }
+
+    pub fn topic(&self, index: usize) -> String {
+        format!("bench-{index}")
+    }
+}
+
+/// The runtime the library is made for.
+pub fn current_thread() -> Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a current_thread runtime")
+}
+
+/// Runs `f` on a fresh `current_thread` runtime inside a fresh `LocalSet`.
+pub fn on_local<F: std::future::Future>(f: F) -> F::Output {
+    let runtime = current_thread();
+    LocalSet::new().block_on(&runtime, f)
+}
+
+/// A no-op handler that counts, so that the run knows when it is over.
+/// Counting is one `Cell` update; the last message wakes the waiter.
+fn counting_handler(
+    count: Rc<Cell<usize>>,
+    done: Rc<Notify>,
+    total: usize,
+) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
+    async move |_message: &Message| {
+        let handled = count.get() + 1;
+        count.set(handled);
+        if handled == total {
+            done.notify_one();
+        }
+        Ok(())
+    }
+}
+
+/// What one run of our dispatcher measured.
+#[derive(Clone, Copy, Debug)]
+pub struct OursRun {
+    /// From `run()` until the last handler ran.
+    pub elapsed: Duration,
+    /// Heap allocations per message between the `warmup`-th and the last
+    /// message, if an allocation counter was given.
+    pub allocs_per_msg: Option<f64>,
+}
+
+/// Our dispatcher on the in-memory transport. Must be called inside a
+/// `LocalSet`.
+pub async fn ours(workload: Workload) -> Duration {
+    ours_counted(workload, 0, None).await.elapsed
+}
+
+/// Like [`ours`]; with `allocations` (a reader of the current thread's
+/// allocation count), also counts the allocations made while the messages
+/// after the first `warmup` are dispatched.
+pub async fn ours_counted(
+    workload: Workload,
+    warmup: usize,
+    allocations: Option<fn() -> u64>,
+) -> OursRun {
+    let Workload {
+        subscriptions,
+        levels,
+        concurrency,
+        messages,
+    } = workload;
+    assert!(subscriptions > 0 && levels > 0 && warmup < messages.max(1));
+    let transport = MemoryTransport::new();
+    let dispatcher = Dispatcher::builder()
+        .concurrency(concurrency)
+        .build(transport.clone())
+        .expect("a valid concurrency");
+    let count = Rc::new(Cell::new(0));
+    let done = Rc::new(Notify::new());
+    let topics: Vec<String> = (0..subscriptions).map(|i| workload.topic(i)).collect();
+    // Snapshot of the allocation counter taken by the handler of message
+    // number `warmup`.
+    let at_warmup = Rc::new(Cell::new(None));
+    for (index, topic) in topics.iter().enumerate() {
+        let options = SubscribeOptions::new().priority((index % levels) as i64);
+        match allocations {
+            None => {
+                let handler = counting_handler(count.clone(), done.clone(), messages);
+                dispatcher.subscribe(topic, handler, options).await
+            }
+            Some(read) => {
+                let (count, done, at_warmup) = (count.clone(), done.clone(), at_warmup.clone());
+                let handler = async move |_message: &Message| {
+                    let handled = count.get() + 1;
+                    count.set(handled);
+                    if handled == warmup {
+                        at_warmup.set(Some(read()));
+                    }
+                    if handled == messages {
+                        done.notify_one();
+                    }
+                    Ok::<(), Infallible>(())
+                };
+                dispatcher.subscribe(topic, handler, options).await
+            }
+        }
+        .expect("subscribing to the in-memory transport");
+    }
+    for index in 0..messages {
+        transport.send(&topics[index % subscriptions], Vec::new());
+    }
+    if messages == 0 {
+        dispatcher.close().await;
+        return OursRun {
+            elapsed: Duration::ZERO,
+            allocs_per_msg: None,
+        };
+    }
+    let closer = dispatcher.close_handle();
+    let mut elapsed = Duration::ZERO;
+    let mut allocs_at_end = None;
+    let start = Instant::now();
+    let finish = async {
+        done.notified().await;
+        elapsed = start.elapsed();
+        allocs_at_end = allocations.map(|read| read());
+        closer.close().await;
+    };
+    let (result, ()) = tokio::join!(dispatcher.run(), finish);
+    result.expect("the dispatcher shuts down cleanly");
+    let acked: usize = topics.iter().map(|t| transport.acked(t).len()).sum();
+    assert_eq!(acked, messages, "every message is acknowledged");
+    let allocs_per_msg = match (at_warmup.get(), allocs_at_end) {
+        (Some(begin), Some(end)) => Some((end - begin) as f64 / (messages - warmup) as f64),
+        _ => None,
+    };
+    OursRun {
+        elapsed,
+        allocs_per_msg,
+    }
+}
+
+/// The floor: one empty `spawn_local` task per message with at most
+/// `concurrency` in flight, and no scheduler, transport or settlement.
+/// Must be called inside a `LocalSet`.
+pub async fn floor(concurrency: usize, messages: usize) -> Duration {
+    floor_counted(concurrency, messages, 0, None).await.0
+}
+
+/// Like [`floor`]; also returns allocations per message after `warmup`.
+pub async fn floor_counted(
+    concurrency: usize,
+    messages: usize,
+    warmup: usize,
+    allocations: Option<fn() -> u64>,
+) -> (Duration, Option<f64>) {
+    struct Bound {
+        in_flight: Cell<usize>,
+        waker: Cell<Option<Waker>>,
+    }
+    /// Returns the task's place however it ends, like the dispatcher's
+    /// permit guard.
+    struct Slot(Rc<Bound>);
+    impl Drop for Slot {
+        fn drop(&mut self) {
+            self.0.in_flight.set(self.0.in_flight.get() - 1);
+            if let Some(waker) = self.0.waker.take() {
+                waker.wake();
+            }
+        }
+    }
+    let bound = Rc::new(Bound {
+        in_flight: Cell::new(0),
+        waker: Cell::new(None),
+    });
+    fn wait_below(bound: Rc<Bound>, limit: usize) -> impl std::future::Future<Output = ()> {
+        poll_fn(move |cx| {
+            if bound.in_flight.get() < limit {
+                Poll::Ready(())
+            } else {
+                bound.waker.set(Some(cx.waker().clone()));
+                Poll::Pending
+            }
+        })
+    }
+    // The loop is a task of its own, as the dispatch loop is.
+    let spawner = {
+        let bound = bound.clone();
+        tokio::task::spawn_local(async move {
+            let start = Instant::now();
+            let mut begin = None;
+            for index in 0..messages {
+                if index == warmup {
+                    begin = allocations.map(|read| read());
+                }
+                wait_below(bound.clone(), concurrency).await;
+                bound.in_flight.set(bound.in_flight.get() + 1);
+                let slot = Slot(bound.clone());
+                tokio::task::spawn_local(async move {
+                    let _slot = slot;
+                });
+            }
+            wait_below(bound.clone(), 1).await;
+            let elapsed = start.elapsed();
+            let allocs = match (begin, allocations) {
+                (Some(begin), Some(read)) => {
+                    Some((read() - begin) as f64 / (messages - warmup) as f64)
+                }
+                _ => None,
+            };
+            (elapsed, allocs)
+        })
+    };
+    spawner.await.expect("the floor loop does not panic")
+}
+
+/// Measures "message available → handler started" on a dispatcher that
+/// stays up across criterion samples: one subscription, concurrency 20,
+/// nothing else in flight.
+pub struct OursLatency {
+    runtime: Runtime,
+    local: LocalSet,
+    transport: MemoryTransport,
+    started: Rc<Cell<Option<Instant>>>,
+    signal: Rc<Notify>,
+}
+
+const LATENCY_TOPIC: &str = "latency";
+
+impl OursLatency {
+    pub fn new() -> Self {
+        let runtime = current_thread();
+        let local = LocalSet::new();
+        let transport = MemoryTransport::new();
+        let started = Rc::new(Cell::new(None));
+        let signal = Rc::new(Notify::new());
+        local.block_on(&runtime, async {
+            let dispatcher = Dispatcher::builder()
+                .concurrency(20)
+                .build(transport.clone())
+                .expect("a valid concurrency");
+            let (started, signal) = (started.clone(), signal.clone());
+            let handler = async move |_message: &Message| {
+                started.set(Some(Instant::now()));
+                signal.notify_one();
+                Ok::<(), Infallible>(())
+            };
+            dispatcher
+                .subscribe(LATENCY_TOPIC, handler, SubscribeOptions::new())
+                .await
+                .expect("subscribing");
+            tokio::task::spawn_local(async move { dispatcher.run().await });
+            tokio::task::yield_now().await;
+        });
+        OursLatency {
+            runtime,
+            local,
+            transport,
+            started,
+            signal,
+        }
+    }
+
+    /// Total latency of `iters` messages, sent one at a time.
+    pub fn measure(&self, iters: u64) -> Duration {
+        self.local.block_on(&self.runtime, async {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                self.transport.send(LATENCY_TOPIC, Vec::new());
+                let sent = Instant::now();
+                self.signal.notified().await;
+                total += self.started.take().expect("the handler ran") - sent;
+                // Let the ack and the permit settle before the next message.
+                for _ in 0..4 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            total
+        })
+    }
+}
+
+impl Default for OursLatency {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Measures "spawn_local called → task started": the floor's latency.
+pub fn floor_latency(runtime: &Runtime, local: &LocalSet, iters: u64) -> Duration {
+    local.block_on(runtime, async {
+        let started = Rc::new(Cell::new(None));
+        let mut total = Duration::ZERO;
+        for _ in 0..iters {
+            let flag = started.clone();
+            let spawned = Instant::now();
+            tokio::task::spawn_local(async move { flag.set(Some(Instant::now())) })
+                .await
+                .expect("the task runs");
+            total += started.take().expect("the task ran") - spawned;
+        }
+        total
+    })
+}
