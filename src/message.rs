@@ -159,10 +159,7 @@ impl Message {
 
     /// The value of one property.
     pub fn property(&self, key: &str) -> Option<&str> {
-        self.properties
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, value)| value.as_str())
+        find_property(&self.properties, key)
     }
 
     /// The partition key (Pulsar's message key).
@@ -194,6 +191,14 @@ impl Message {
     pub fn redelivery_count(&self) -> Option<u32> {
         self.redelivery_count
     }
+}
+
+/// The value of `key` in a property list.
+pub(crate) fn find_property<'a>(properties: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    properties
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, value)| value.as_str())
 }
 
 #[cfg(test)]

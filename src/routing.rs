@@ -389,7 +389,7 @@ fn set_property(message: &mut OutgoingMessage, key: &str, value: String) {
 }
 
 fn set_property_if_absent(message: &mut OutgoingMessage, key: &str, value: &str) {
-    if !message.properties.iter().any(|(k, _)| k == key) {
+    if message.property(key).is_none() {
         message.properties.push((key.to_owned(), value.to_owned()));
     }
 }
@@ -477,14 +477,6 @@ mod tests {
         }
     }
 
-    fn property<'a>(message: &'a OutgoingMessage, key: &str) -> Option<&'a str> {
-        message
-            .properties
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-
     #[test]
     fn a_first_retry_records_the_origin_and_the_dead_letter_topic() {
         let original = message(&[("app", "x")]);
@@ -494,15 +486,15 @@ mod tests {
         assert_eq!(outgoing.partition_key.as_deref(), Some("customer-1"));
         assert_eq!(outgoing.ordering_key.as_deref(), Some(&b"order-key"[..]));
         assert_eq!(outgoing.event_time, Some(1234));
-        assert_eq!(property(&outgoing, "app"), Some("x"));
-        assert_eq!(property(&outgoing, RECONSUMETIMES), Some("1"));
-        assert_eq!(property(&outgoing, DELAY_TIME), Some("1000"));
+        assert_eq!(outgoing.property("app"), Some("x"));
+        assert_eq!(outgoing.property(RECONSUMETIMES), Some("1"));
+        assert_eq!(outgoing.property(DELAY_TIME), Some("1000"));
         assert_eq!(
-            property(&outgoing, REAL_TOPIC),
+            outgoing.property(REAL_TOPIC),
             Some("persistent://public/default/orders")
         );
-        assert_eq!(property(&outgoing, ORIGIN_MESSAGE_ID), Some("7:3:-1"));
-        assert_eq!(property(&outgoing, DEAD_LETTER_TOPIC), Some("dlq-a"));
+        assert_eq!(outgoing.property(ORIGIN_MESSAGE_ID), Some("7:3:-1"));
+        assert_eq!(outgoing.property(DEAD_LETTER_TOPIC), Some("dlq-a"));
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap()
@@ -524,13 +516,13 @@ mod tests {
         ]);
         let (outgoing, delay) = retry_message(&retried, &retry_policy(None), Some("dlq-retry"));
         assert_eq!(delay, Duration::from_secs(8));
-        assert_eq!(property(&outgoing, RECONSUMETIMES), Some("4"));
+        assert_eq!(outgoing.property(RECONSUMETIMES), Some("4"));
         assert_eq!(
-            property(&outgoing, REAL_TOPIC),
+            outgoing.property(REAL_TOPIC),
             Some("persistent://public/default/first")
         );
-        assert_eq!(property(&outgoing, ORIGIN_MESSAGE_ID), Some("1:1:-1"));
-        assert_eq!(property(&outgoing, DEAD_LETTER_TOPIC), Some("dlq-first"));
+        assert_eq!(outgoing.property(ORIGIN_MESSAGE_ID), Some("1:1:-1"));
+        assert_eq!(outgoing.property(DEAD_LETTER_TOPIC), Some("dlq-first"));
         assert_eq!(
             outgoing
                 .properties
@@ -612,7 +604,7 @@ mod tests {
             Some("persistent://public/default/orders-sub-DLQ")
         );
         assert_eq!(
-            property(&dead_letter_message(&stamped), RECONSUMETIMES),
+            dead_letter_message(&stamped).property(RECONSUMETIMES),
             Some("5")
         );
         let forged = message(&[(DEAD_LETTER_TOPIC, "persistent://public/default/elsewhere")]);

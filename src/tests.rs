@@ -70,6 +70,15 @@ impl Gate {
     }
 }
 
+/// A handler that waits for `gate` to open, then succeeds.
+fn gated(gate: &Gate) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
+    let gate = gate.clone();
+    async move |_: &Message| {
+        gate.wait().await;
+        Ok(())
+    }
+}
+
 async fn settle_down() {
     for _ in 0..50 {
         yield_now().await;
@@ -241,16 +250,8 @@ fn a_full_slot_stops_only_its_own_reader() {
             transport.send("slow", format!("{n}"));
             transport.send("other", format!("{n}"));
         }
-        let slow_gate = gate.clone();
         dispatcher
-            .subscribe(
-                "slow",
-                async move |_: &Message| {
-                    slow_gate.wait().await;
-                    Ok::<_, Infallible>(())
-                },
-                options(1),
-            )
+            .subscribe("slow", gated(&gate), options(1))
             .await
             .unwrap();
         dispatcher
@@ -364,16 +365,8 @@ fn shutdown_finishes_queued_and_in_flight_work_then_closes() {
         let ids: Vec<_> = (0..3)
             .map(|n| transport.send("jobs", format!("{n}")))
             .collect();
-        let handler_gate = gate.clone();
         dispatcher
-            .subscribe(
-                "jobs",
-                async move |_: &Message| {
-                    handler_gate.wait().await;
-                    Ok::<_, Infallible>(())
-                },
-                options(1),
-            )
+            .subscribe("jobs", gated(&gate), options(1))
             .await
             .unwrap();
         let dispatcher = Rc::new(dispatcher);
@@ -432,16 +425,8 @@ fn close_is_idempotent_shared_by_concurrent_callers_and_survives_dropped_callers
         let (dispatcher, transport) = dispatcher(2);
         let gate = Gate::default();
         transport.send("jobs", "x");
-        let handler_gate = gate.clone();
         dispatcher
-            .subscribe(
-                "jobs",
-                async move |_: &Message| {
-                    handler_gate.wait().await;
-                    Ok::<_, Infallible>(())
-                },
-                options(1),
-            )
+            .subscribe("jobs", gated(&gate), options(1))
             .await
             .unwrap();
         let dispatcher = Rc::new(dispatcher);
@@ -482,16 +467,8 @@ fn dropping_the_run_future_shuts_down_gracefully() {
         let ids: Vec<_> = (0..2)
             .map(|n| transport.send("jobs", format!("{n}")))
             .collect();
-        let handler_gate = gate.clone();
         dispatcher
-            .subscribe(
-                "jobs",
-                async move |_: &Message| {
-                    handler_gate.wait().await;
-                    Ok::<_, Infallible>(())
-                },
-                options(1),
-            )
+            .subscribe("jobs", gated(&gate), options(1))
             .await
             .unwrap();
         let dispatcher = Rc::new(dispatcher);

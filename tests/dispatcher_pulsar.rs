@@ -9,7 +9,9 @@ use std::convert::Infallible;
 use std::rc::Rc;
 use std::time::Duration;
 
-use common::{client, pulsar_url, run_local, unique_name, unique_topic, wait_for_stats};
+use common::{
+    client, pulsar_url, run_local, start, unique_name, unique_topic, wait_for_stats, wait_until,
+};
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 use tokio::sync::Notify;
 
@@ -62,14 +64,6 @@ fn recording(seen: &Seen) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
     }
 }
 
-async fn wait_until(what: &str, limit: Duration, done: impl Fn() -> bool) {
-    let start = tokio::time::Instant::now();
-    while !done() {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[test]
 fn every_message_of_several_prioritised_topics_is_processed_and_acked_once() {
     run_local(Duration::from_secs(90), async {
@@ -96,8 +90,7 @@ fn every_message_of_several_prioritised_topics_is_processed_and_acked_once() {
                 .await
                 .unwrap();
         }
-        let runner = dispatcher.clone();
-        let run = tokio::task::spawn_local(async move { runner.run().await });
+        let run = start(&dispatcher);
         wait_until("60 messages", Duration::from_secs(30), || {
             seen.borrow().len() >= 60
         })
@@ -159,8 +152,7 @@ fn a_failed_message_is_redelivered_after_the_negative_ack_delay() {
             )
             .await
             .unwrap();
-        let runner = dispatcher.clone();
-        let run = tokio::task::spawn_local(async move { runner.run().await });
+        let run = start(&dispatcher);
         produce(&topic, ["a".to_owned(), "b".to_owned()]).await;
         wait_until("two attempts each", Duration::from_secs(20), || {
             attempts.borrow().len() >= 4
@@ -219,8 +211,7 @@ fn with_a_slow_handler_the_backlog_stays_on_the_broker() {
             )
             .await
             .unwrap();
-        let runner = dispatcher.clone();
-        let run = tokio::task::spawn_local(async move { runner.run().await });
+        let run = start(&dispatcher);
         produce(&topic, (0..50).map(|n| n.to_string())).await;
         // Give the client every chance to prefetch, then look at the broker.
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -279,8 +270,7 @@ fn shutdown_under_load_loses_nothing() {
             .subscribe(&topic, slow_recorder(), options())
             .await
             .unwrap();
-        let runner = first.clone();
-        let run = tokio::task::spawn_local(async move { runner.run().await });
+        let run = start(&first);
         wait_until("some progress", Duration::from_secs(30), || {
             processed.borrow().len() >= 40
         })
@@ -298,8 +288,7 @@ fn shutdown_under_load_loses_nothing() {
             .subscribe(&topic, slow_recorder(), options())
             .await
             .unwrap();
-        let runner = second.clone();
-        let run = tokio::task::spawn_local(async move { runner.run().await });
+        let run = start(&second);
         wait_until("the rest", Duration::from_secs(60), || {
             processed.borrow().iter().collect::<BTreeSet<_>>().len() >= total as usize
         })

@@ -10,8 +10,8 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use common::{
-    client, pulsar_url, run_interop, run_local, topic_stats, unique_name, unique_topic,
-    wait_for_stats,
+    client, pulsar_url, run_interop, run_local, start, topic_stats, unique_name, unique_topic,
+    wait_for_stats, wait_until,
 };
 use futures::StreamExt;
 use pulsar::consumer::InitialPosition;
@@ -103,13 +103,6 @@ async fn publish_order(topic: &str, payload: &str) {
         .unwrap();
 }
 
-async fn start(
-    dispatcher: &Rc<Dispatcher>,
-) -> tokio::task::JoinHandle<Result<(), pulsar_dispatcher::Error>> {
-    let runner = dispatcher.clone();
-    tokio::task::spawn_local(async move { runner.run().await })
-}
-
 #[test]
 fn a_fatal_error_lands_in_the_dead_letter_topic_intact() {
     run_local(Duration::from_secs(90), async {
@@ -122,7 +115,7 @@ fn a_fatal_error_lands_in_the_dead_letter_topic_intact() {
             .subscribe(&topic, fail_as_told, shared(&subscription))
             .await
             .unwrap();
-        let run = start(&dispatcher).await;
+        let run = start(&dispatcher);
         publish_order(&topic, "invalid").await;
 
         let dead = next_message(&mut dead_letters, "dead letter").await;
@@ -158,7 +151,9 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic()
         let dead_letter_topic = format!("{topic}-{subscription}-DLQ");
         let mut dead_letters = reader(&dead_letter_topic).await;
         let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
-        let attempts: Rc<RefCell<Vec<(Instant, String, Option<String>)>>> = Rc::default();
+        // (when, topic, RECONSUMETIMES) of every handler call.
+        type Attempts = Rc<RefCell<Vec<(Instant, String, Option<String>)>>>;
+        let attempts: Attempts = Rc::default();
         let options = shared(&subscription)
             .retry_errors(ErrorClass::of::<ServiceUnavailable>())
             .retry_topic(&retry_topic)
@@ -179,7 +174,7 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic()
                 .await
                 .unwrap();
         }
-        let run = start(&dispatcher).await;
+        let run = start(&dispatcher);
         publish_order(&topic, "unavailable").await;
 
         let dead = next_message(&mut dead_letters, "dead letter after two retries").await;
@@ -230,7 +225,7 @@ fn a_reply_is_published_before_the_original_is_acked() {
             )
             .await
             .unwrap();
-        let run = start(&dispatcher).await;
+        let run = start(&dispatcher);
         publish_order(&topic, "cat.png").await;
         let reply = next_message(&mut replies, "reply").await;
         assert_eq!(reply.payload.data, b"thumb:cat.png");
@@ -306,16 +301,11 @@ fn a_topic_family_subscribes_the_documented_topics_and_priorities() {
         for (topic, _) in expected.iter().rev() {
             publish_order(topic, "ok").await;
         }
-        let run = start(&dispatcher).await;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while handled.borrow().len() < 6 {
-            assert!(
-                Instant::now() < deadline,
-                "handled only {:?}",
-                handled.borrow()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let run = start(&dispatcher);
+        wait_until("one message per topic", Duration::from_secs(30), || {
+            handled.borrow().len() >= 6
+        })
+        .await;
         dispatcher.close().await;
         run.await.unwrap().unwrap();
         assert_eq!(handled.borrow().len(), 6);
@@ -346,7 +336,7 @@ fn a_retried_message_carries_the_java_retry_letter_properties_for_python() {
             )
             .await
             .unwrap();
-        let run = start(&dispatcher).await;
+        let run = start(&dispatcher);
         // Create the Python side's subscription first so it sees the retry.
         let python = run_interop(
             "consume.py",

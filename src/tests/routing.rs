@@ -24,14 +24,6 @@ const ORDERS: &str = "persistent://public/default/orders";
 const RETRY: &str = "persistent://public/default/orders-retry";
 const DLQ: &str = "persistent://public/default/orders-orders-sub-DLQ";
 
-fn property<'a>(message: &'a OutgoingMessage, key: &str) -> Option<&'a str> {
-    message
-        .properties
-        .iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, v)| v.as_str())
-}
-
 fn routed_options() -> SubscribeOptions {
     SubscribeOptions::new()
         .subscription("orders-sub")
@@ -98,10 +90,10 @@ fn a_fatal_error_dead_letters_the_message_with_its_content_and_origin() {
         assert_eq!(dead.partition_key.as_deref(), Some("customer-7"));
         assert_eq!(dead.ordering_key.as_deref(), Some(&b"ok"[..]));
         assert_eq!(dead.event_time, Some(42));
-        assert_eq!(property(dead, "app"), Some("kept"));
-        assert_eq!(property(dead, REAL_TOPIC), Some(ORDERS));
+        assert_eq!(dead.property("app"), Some("kept"));
+        assert_eq!(dead.property(REAL_TOPIC), Some(ORDERS));
         assert_eq!(
-            property(dead, ORIGIN_MESSAGE_ID),
+            dead.property(ORIGIN_MESSAGE_ID),
             Some(id.to_string().as_str())
         );
         assert_eq!(dead.deliver_at_time, None);
@@ -190,17 +182,17 @@ fn retries_count_up_and_end_in_the_original_dead_letter_topic() {
         run_until(dispatcher, async |t| t.wait_acked("orders-retry", 2).await).await;
         let retries = transport.published(RETRY);
         assert_eq!(retries.len(), 2);
-        assert_eq!(property(&retries[0], RECONSUMETIMES), Some("1"));
-        assert_eq!(property(&retries[1], RECONSUMETIMES), Some("2"));
+        assert_eq!(retries[0].property(RECONSUMETIMES), Some("1"));
+        assert_eq!(retries[1].property(RECONSUMETIMES), Some("2"));
         for retry in &retries {
-            assert_eq!(property(retry, REAL_TOPIC), Some(ORDERS));
-            assert_eq!(property(retry, DEAD_LETTER_TOPIC), Some(DLQ));
+            assert_eq!(retry.property(REAL_TOPIC), Some(ORDERS));
+            assert_eq!(retry.property(DEAD_LETTER_TOPIC), Some(DLQ));
             assert!(retry.deliver_at_time.is_some());
         }
         let dead = transport.published(DLQ);
         assert_eq!(dead.len(), 1);
-        assert_eq!(property(&dead[0], RECONSUMETIMES), Some("2"));
-        assert_eq!(property(&dead[0], REAL_TOPIC), Some(ORDERS));
+        assert_eq!(dead[0].property(RECONSUMETIMES), Some("2"));
+        assert_eq!(dead[0].property(REAL_TOPIC), Some(ORDERS));
         assert!(transport
             .published("persistent://public/default/orders-retry-retry-sub-DLQ")
             .is_empty());

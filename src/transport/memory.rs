@@ -154,27 +154,23 @@ impl MemoryTransport {
 
     /// Ids acknowledged on `topic`, in order.
     pub fn acked(&self, topic: &str) -> Vec<MessageId> {
-        let topic = full(topic);
-        self.broker
-            .events
-            .borrow()
-            .iter()
-            .filter_map(|event| match event {
-                Event::Acked { topic: t, id } if **t == *topic => Some(id.clone()),
-                _ => None,
-            })
-            .collect()
+        self.settled_ids(topic, true)
     }
 
     /// Ids negatively acknowledged on `topic`, in order.
     pub fn nacked(&self, topic: &str) -> Vec<MessageId> {
+        self.settled_ids(topic, false)
+    }
+
+    fn settled_ids(&self, topic: &str, acked: bool) -> Vec<MessageId> {
         let topic = full(topic);
         self.broker
             .events
             .borrow()
             .iter()
             .filter_map(|event| match event {
-                Event::Nacked { topic: t, id } if **t == *topic => Some(id.clone()),
+                Event::Acked { topic: t, id } if acked && **t == *topic => Some(id.clone()),
+                Event::Nacked { topic: t, id } if !acked && **t == *topic => Some(id.clone()),
                 _ => None,
             })
             .collect()

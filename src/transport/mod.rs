@@ -18,7 +18,7 @@ mod pulsar;
 pub use self::memory::{Event, MemoryConsumer, MemoryProducer, MemoryTransport};
 pub use self::pulsar::{PulsarConsumer, PulsarProducer, PulsarTransport};
 
-use crate::message::{Message, MessageId};
+use crate::message::{find_property, Message, MessageId};
 use crate::subscription::SubscribeOptions;
 
 /// A failure reported by a transport.
@@ -61,6 +61,11 @@ impl OutgoingMessage {
             payload: payload.into(),
             ..Default::default()
         }
+    }
+
+    /// The value of one property.
+    pub fn property(&self, key: &str) -> Option<&str> {
+        find_property(&self.properties, key)
     }
 
     /// The same content as a received message, ready to be republished.

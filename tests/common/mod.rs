@@ -311,3 +311,20 @@ pub async fn run_interop(script: &str, request: serde_json::Value) -> serde_json
     .await
     .expect("python runner thread")
 }
+
+/// Runs `dispatcher` in a task of its own on the current `LocalSet`.
+pub fn start(
+    dispatcher: &std::rc::Rc<pulsar_dispatcher::Dispatcher>,
+) -> tokio::task::JoinHandle<Result<(), pulsar_dispatcher::Error>> {
+    let runner = dispatcher.clone();
+    tokio::task::spawn_local(async move { runner.run().await })
+}
+
+/// Waits, yielding to the runtime, until `done` holds; panics after `limit`.
+pub async fn wait_until(what: &str, limit: Duration, done: impl Fn() -> bool) {
+    let begun = Instant::now();
+    while !done() {
+        assert!(begun.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
