@@ -250,7 +250,7 @@ fn deliver_at_time_holds_a_message_until_it_is_due() {
         .await;
         send(&mut producer, plain("immediate")).await;
 
-        // During the first 1.5 s only the plain message may arrive.
+        // During the first 1.5 s the delayed message must not arrive.
         let window_end = sent_at + 1_500;
         let mut got_immediate = false;
         loop {
@@ -272,10 +272,17 @@ fn deliver_at_time_holds_a_message_until_it_is_due() {
                 consumer.ack(&msg).await.unwrap();
             }
         }
-        assert!(
-            got_immediate,
-            "the plain message did not arrive within 1.5 s"
-        );
+        // The plain message, sent after the delayed one, overtakes it
+        // (normally well within the window; on a loaded machine maybe later).
+        if !got_immediate {
+            let msg = receive(&mut consumer, "the plain message").await;
+            assert_eq!(
+                text(&msg),
+                "immediate",
+                "the delayed message arrived before the plain one sent after it"
+            );
+            consumer.ack(&msg).await.unwrap();
+        }
 
         let msg = receive(&mut consumer, "the delayed message").await;
         let received_at = now_millis();
