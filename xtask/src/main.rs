@@ -2,6 +2,7 @@
 //!
 //! Deliberately std-only so that it compiles in seconds on a fresh machine.
 
+mod bench;
 mod broker;
 mod http;
 mod setup;
@@ -25,6 +26,11 @@ commands:
   lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings
   demo [priority]  start a broker if needed and run `cargo run --example simple_dispatcher`
                    (or `priority_dispatcher`) with DEMO_MESSAGES messages of traffic
+  bench [--quick] [--criterion]
+                   start a broker if needed and run the benchmark comparison
+                   (`cargo bench --bench report`): table on stdout, figures in
+                   target/bench-report.json; --quick takes fewer samples;
+                   --criterion also runs the criterion suites (`--bench dispatch`)
   broker start     start the standalone broker (returns once it answers)
   broker stop      stop the broker that `broker start` started
   broker status    tell whether a broker answers (exit code 0) or not (1)
@@ -198,6 +204,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("test") => cmd_test(&paths, &args[1..]),
         Some("lint") => cmd_lint(&paths),
+        Some("bench") => bench::cmd_bench(&paths, &args[1..]),
         Some("demo") => cmd_demo(&paths, args.get(1).map(String::as_str)),
         Some("broker") => match args.get(1).map(String::as_str) {
             Some("start") => cmd_broker_start(&paths),
