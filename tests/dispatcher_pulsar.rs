@@ -311,3 +311,83 @@ fn shutdown_under_load_loses_nothing() {
         );
     });
 }
+
+/// Pulsar acknowledges a batch as one entry: acking any of its messages
+/// would ack them all. Messages of a batch whose batch-mate is still being
+/// handled must stay unacknowledged on the broker.
+#[test]
+fn a_batch_is_acked_only_once_every_message_in_it_succeeded() {
+    run_local(Duration::from_secs(90), async {
+        let topic = unique_topic("batch");
+        let subscription = unique_name("sub");
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let release = Rc::new(Notify::new());
+        let released = Rc::new(std::cell::Cell::new(false));
+        let handled: Seen = Seen::default();
+        let (gate, open, record) = (release.clone(), released.clone(), handled.clone());
+        dispatcher
+            .subscribe(
+                &topic,
+                async move |message: &Message| {
+                    let payload = String::from_utf8_lossy(message.payload()).into_owned();
+                    while payload == "slow" && !open.get() {
+                        gate.notified().await;
+                    }
+                    record
+                        .borrow_mut()
+                        .push((message.id().to_string(), payload));
+                    Ok::<_, Infallible>(())
+                },
+                shared(&subscription, 1).receiver_queue_size(10),
+            )
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        let specs: Vec<_> = ["a", "b", "slow", "c", "d"]
+            .iter()
+            .map(|payload| serde_json::json!({ "payload": payload }))
+            .collect();
+        common::run_interop(
+            "produce.py",
+            serde_json::json!({
+                "service_url": pulsar_url(),
+                "topic": topic,
+                "batching": true,
+                "messages": specs,
+            }),
+        )
+        .await;
+        wait_until("the fast four", Duration::from_secs(20), || {
+            handled.borrow().len() >= 4
+        })
+        .await;
+        let batch_ids: BTreeSet<String> = handled
+            .borrow()
+            .iter()
+            .map(|(id, _)| id.rsplit_once(':').unwrap().0.to_owned())
+            .collect();
+        assert_eq!(
+            batch_ids.len(),
+            1,
+            "the producer sent one batch: {handled:?}"
+        );
+        let waiting = wait_for_stats(&topic, &subscription, Duration::from_secs(1), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        assert_eq!(
+            waiting.msg_backlog, 1,
+            "the batch was acked while one of its messages was still being handled"
+        );
+        released.set(true);
+        release.notify_waiters();
+        let done = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        assert_eq!(done.msg_backlog, 0, "acked once the whole batch succeeded");
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(handled.borrow().len(), 5);
+    });
+}

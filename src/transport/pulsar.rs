@@ -7,8 +7,16 @@
 //! not while its receipt is awaited, so concurrent sends to one topic
 //! pipeline. The crate runs its connection tasks with `tokio::spawn`, which
 //! works on a `current_thread` runtime.
+//!
+//! Messages that a producer sent in one batch share one broker entry, and
+//! the crate acknowledges entries, not batch members: acking one member
+//! would acknowledge all of them, including members still being handled.
+//! The consumer therefore holds the settlements of batch members until the
+//! whole batch is settled, then acks the entry if every member succeeded
+//! and nacks it (redelivering the whole batch) otherwise.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 
 use futures::StreamExt;
@@ -88,6 +96,7 @@ impl Transport for PulsarTransport {
         Ok(PulsarConsumer {
             consumer: builder.build().await?,
             topic: Rc::from(topic),
+            batches: BatchSettlements::default(),
         })
     }
 
@@ -113,6 +122,7 @@ impl Transport for PulsarTransport {
 pub struct PulsarConsumer {
     consumer: pulsar::Consumer<Vec<u8>, TokioExecutor>,
     topic: Rc<str>,
+    batches: BatchSettlements,
 }
 
 impl PulsarConsumer {
@@ -124,7 +134,9 @@ impl PulsarConsumer {
         } else {
             Rc::from(received.topic)
         };
-        let mut message = Message::new(topic, MessageId(received.message_id.id), data);
+        let mut id = received.message_id.id;
+        id.batch_size = id.batch_size.or(received.message_id.batch_size);
+        let mut message = Message::new(topic, MessageId(id), data);
         message.properties = metadata
             .properties
             .into_iter()
@@ -135,6 +147,66 @@ impl PulsarConsumer {
         message.event_time = metadata.event_time;
         message.publish_time = metadata.publish_time;
         message
+    }
+}
+
+impl PulsarConsumer {
+    async fn settle(&mut self, id: MessageId, succeeded: bool) -> Result<(), TransportError> {
+        let Some(succeeded) = self.batches.settle(&id, succeeded) else {
+            return Ok(());
+        };
+        let topic = &self.topic;
+        let sent = if succeeded {
+            self.consumer.ack_with_id(topic, id.0).await
+        } else {
+            self.consumer.nack_with_id(topic, id.0).await
+        };
+        sent.map_err(|e| TransportError::Pulsar(e.into()))
+    }
+}
+
+/// Settlements of batch members, held until their batch is complete.
+#[derive(Default)]
+struct BatchSettlements {
+    by_entry: HashMap<(u64, u64, i32), BatchProgress>,
+}
+
+struct BatchProgress {
+    /// One flag per member: settled yet?
+    settled: Vec<bool>,
+    all_succeeded: bool,
+}
+
+impl BatchSettlements {
+    /// Records one settlement. Returns what to tell the broker about the
+    /// message's entry, once there is something to tell: `Some(true)` to ack
+    /// it, `Some(false)` to nack it, `None` while batch-mates are pending.
+    /// Messages outside a batch are passed straight through.
+    fn settle(&mut self, id: &MessageId, succeeded: bool) -> Option<bool> {
+        let raw = &id.0;
+        let (Some(index), Some(size)) = (raw.batch_index, raw.batch_size) else {
+            return Some(succeeded);
+        };
+        let (Ok(index), Ok(size)) = (usize::try_from(index), usize::try_from(size)) else {
+            return Some(succeeded);
+        };
+        if size <= 1 || index >= size {
+            return Some(succeeded);
+        }
+        let entry = (raw.ledger_id, raw.entry_id, id.partition());
+        let progress = self.by_entry.entry(entry).or_insert_with(|| BatchProgress {
+            settled: vec![false; size],
+            all_succeeded: true,
+        });
+        progress.settled[index] = true;
+        progress.all_succeeded &= succeeded;
+        if progress.settled.iter().all(|&settled| settled) {
+            let all_succeeded = progress.all_succeeded;
+            self.by_entry.remove(&entry);
+            Some(all_succeeded)
+        } else {
+            None
+        }
     }
 }
 
@@ -149,17 +221,11 @@ impl Consumer for PulsarConsumer {
     }
 
     async fn ack(&mut self, id: MessageId) -> Result<(), TransportError> {
-        self.consumer
-            .ack_with_id(&self.topic, id.0)
-            .await
-            .map_err(|e| TransportError::Pulsar(e.into()))
+        self.settle(id, true).await
     }
 
     async fn nack(&mut self, id: MessageId) -> Result<(), TransportError> {
-        self.consumer
-            .nack_with_id(&self.topic, id.0)
-            .await
-            .map_err(|e| TransportError::Pulsar(e.into()))
+        self.settle(id, false).await
     }
 
     async fn close(&mut self) -> Result<(), TransportError> {
@@ -195,5 +261,59 @@ impl Producer for PulsarProducer {
 
     async fn close(&self) -> Result<(), TransportError> {
         Ok(self.producer.lock().await.close().await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(entry: u64, index: i32, size: i32) -> MessageId {
+        let mut id = MessageId::new(1, entry, -1, Some(index));
+        id.0.batch_size = Some(size);
+        id
+    }
+
+    #[test]
+    fn unbatched_messages_settle_at_once() {
+        let mut batches = BatchSettlements::default();
+        assert_eq!(
+            batches.settle(&MessageId::new(1, 2, -1, None), true),
+            Some(true)
+        );
+        assert_eq!(
+            batches.settle(&MessageId::new(1, 3, -1, None), false),
+            Some(false)
+        );
+        assert_eq!(batches.settle(&member(4, 0, 1), true), Some(true));
+    }
+
+    #[test]
+    fn a_batch_is_acked_when_its_last_member_succeeds() {
+        let mut batches = BatchSettlements::default();
+        assert_eq!(batches.settle(&member(7, 2, 3), true), None);
+        assert_eq!(
+            batches.settle(&member(8, 0, 2), true),
+            None,
+            "another entry"
+        );
+        assert_eq!(batches.settle(&member(7, 0, 3), true), None);
+        assert_eq!(
+            batches.settle(&member(7, 0, 3), true),
+            None,
+            "a repeat changes nothing"
+        );
+        assert_eq!(batches.settle(&member(7, 1, 3), true), Some(true));
+        assert!(batches.by_entry.contains_key(&(1, 8, -1)));
+        assert!(!batches.by_entry.contains_key(&(1, 7, -1)));
+    }
+
+    #[test]
+    fn a_batch_with_a_failed_member_is_nacked_once_all_are_settled() {
+        let mut batches = BatchSettlements::default();
+        assert_eq!(batches.settle(&member(7, 0, 3), true), None);
+        assert_eq!(batches.settle(&member(7, 1, 3), false), None);
+        assert_eq!(batches.settle(&member(7, 2, 3), true), Some(false));
+        assert!(batches.by_entry.is_empty());
     }
 }
