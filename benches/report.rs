@@ -96,9 +96,9 @@ impl Options {
                 scaling: 100_000,
                 python_fake: 10_000,
                 e2e: 20_000,
-                e2e_queue_1: 2_000,
-                python_e2e: 1_000,
-                e2e_repeats: 1,
+                e2e_queue_1: 300,
+                python_e2e: 1_400,
+                e2e_repeats: 2,
             }
         } else {
             Sizes {
@@ -108,8 +108,8 @@ impl Options {
                 scaling: 300_000,
                 python_fake: 30_000,
                 e2e: 50_000,
-                e2e_queue_1: 5_000,
-                python_e2e: 2_000,
+                e2e_queue_1: 600,
+                python_e2e: 1_800,
                 e2e_repeats: 3,
             }
         }
@@ -187,21 +187,65 @@ fn mt_ns(runtime: &tokio::runtime::Runtime, workload: Workload) -> f64 {
     ns_per_msg(mt_port::run(runtime, workload), workload.messages)
 }
 
+/// CPU time used so far by every live thread of this process, in
+/// nanoseconds (the first field of `/proc/self/task/*/schedstat`); 0 where
+/// that is not available.
+fn cpu_ns() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| std::fs::read_to_string(task.path().join("schedstat")).ok())
+        .filter_map(|stat| stat.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Wall time and CPU time per message of one implementation.
+#[derive(Default)]
+struct Samples {
+    wall: Vec<f64>,
+    cpu: Vec<f64>,
+}
+
+impl Samples {
+    fn push(&mut self, wall: f64, cpu: Option<f64>) {
+        self.wall.push(wall);
+        self.cpu.extend(cpu);
+    }
+
+    fn medians(self) -> (f64, f64) {
+        let cpu = if self.cpu.is_empty() {
+            f64::NAN
+        } else {
+            median(self.cpu)
+        };
+        (median(self.wall), cpu)
+    }
+}
+
 /// Runs the three implementations in turn, `repeats` times, and returns
-/// the median of each, so that drift on the machine hits all of them alike.
-fn side_by_side(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime) -> (f64, f64, f64) {
-    let workload = Workload::new(1, 20, sizes.in_memory);
+/// the medians (wall, CPU) of each, so that drift on the machine hits all of
+/// them alike.
+fn side_by_side(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime) -> [(f64, f64); 3] {
+    let messages = sizes.in_memory;
+    let workload = Workload::new(1, 20, messages);
     // Warm-up: page in the code and the allocator's arenas.
     ours_ns(workload.messages(20_000));
     floor_ns(20, 20_000);
     mt_ns(mt_runtime, workload.messages(20_000));
-    let (mut ours, mut floor, mut mt) = (Vec::new(), Vec::new(), Vec::new());
+    let mut ours = Samples::default();
+    let mut floor = Samples::default();
+    let mut mt = Samples::default();
     for _ in 0..sizes.repeats {
-        ours.push(ours_ns(workload));
-        floor.push(floor_ns(20, sizes.in_memory));
-        mt.push(mt_ns(mt_runtime, workload));
+        let run = on_local(support::ours_counted(workload, 1, Some(cpu_ns)));
+        ours.push(ns_per_msg(run.elapsed, messages), run.allocs_per_msg);
+        let (elapsed, cpu) = on_local(support::floor_counted(20, messages, 0, Some(cpu_ns)));
+        floor.push(ns_per_msg(elapsed, messages), cpu);
+        let (elapsed, cpu) = mt_port::run_counted(mt_runtime, workload, Some(cpu_ns));
+        mt.push(ns_per_msg(elapsed, messages), cpu);
     }
-    (median(ours), median(floor), median(mt))
+    [ours.medians(), floor.medians(), mt.medians()]
 }
 
 fn run(options: &Options) -> Map<String, Value> {
@@ -215,16 +259,23 @@ fn run(options: &Options) -> Map<String, Value> {
     let mt_runtime = mt_port::runtime();
 
     eprintln!("in memory: ours, floor and multi-threaded port (K=1, C=20)");
-    let (ours, floor, mt) = side_by_side(&sizes, &mt_runtime);
-    for (bench, ns) in [("ours", ours), ("floor", floor), ("mt_port", mt)] {
+    let [(ours, ours_cpu), (floor, floor_cpu), (mt, mt_cpu)] = side_by_side(&sizes, &mt_runtime);
+    for (bench, ns, cpu) in [
+        ("ours", ours, ours_cpu),
+        ("floor", floor, floor_cpu),
+        ("mt_port", mt, mt_cpu),
+    ] {
         emit(
             json!({"bench": bench, "subscriptions": 1, "concurrency": 20,
-                    "messages": sizes.in_memory, "ns_per_msg": ns}),
+                    "messages": sizes.in_memory, "ns_per_msg": ns, "cpu_ns_per_msg": cpu}),
         );
     }
     report.insert("dispatch_ns_per_msg".into(), json!(ours));
     report.insert("spawn_floor_ns_per_msg".into(), json!(floor));
     report.insert("mt_port_ns_per_msg".into(), json!(mt));
+    report.insert("dispatch_cpu_ns_per_msg".into(), json!(ours_cpu));
+    report.insert("spawn_floor_cpu_ns_per_msg".into(), json!(floor_cpu));
+    report.insert("mt_port_cpu_ns_per_msg".into(), json!(mt_cpu));
     report.insert("dispatch_vs_floor".into(), json!(ours / floor));
     report.insert("mt_port_vs_dispatch".into(), json!(mt / ours));
 
@@ -471,8 +522,17 @@ fn consumer_options(receiver_queue: u32) -> ConsumerOptions {
     }
 }
 
-/// Ours on the broker: messages per second from `run()` to the last handler.
+/// How many messages each broker run leaves out of its rate: the first
+/// receiver queue's worth, which a client may already hold when it starts,
+/// so that every implementation is measured in steady state.
+fn e2e_warmup(messages: usize, receiver_queue: u32) -> usize {
+    (receiver_queue as usize).min(messages * 3 / 4).max(1)
+}
+
+/// Ours on the broker: messages per second between the warm-up message and
+/// the last handler.
 async fn e2e_ours(url: &str, messages: usize, receiver_queue: u32) -> f64 {
+    let warmup = e2e_warmup(messages, receiver_queue);
     let topic = fresh_topic("ours");
     produce(url, &topic, messages, SubType::Exclusive).await;
     let dispatcher = Dispatcher::builder()
@@ -482,10 +542,14 @@ async fn e2e_ours(url: &str, messages: usize, receiver_queue: u32) -> f64 {
         .expect("connecting");
     let count = std::rc::Rc::new(Cell::new(0usize));
     let done = std::rc::Rc::new(tokio::sync::Notify::new());
+    let warm = std::rc::Rc::new(Cell::new(None));
     let handler = {
-        let (count, done) = (count.clone(), done.clone());
+        let (count, done, warm) = (count.clone(), done.clone(), warm.clone());
         async move |_message: &Message| {
             count.set(count.get() + 1);
+            if count.get() == warmup {
+                warm.set(Some(Instant::now()));
+            }
             if count.get() == messages {
                 done.notify_one();
             }
@@ -501,16 +565,16 @@ async fn e2e_ours(url: &str, messages: usize, receiver_queue: u32) -> f64 {
         .await
         .expect("subscribing");
     let closer = dispatcher.close_handle();
-    let mut elapsed = Duration::ZERO;
-    let start = Instant::now();
+    let mut end = None;
     let finish = async {
         done.notified().await;
-        elapsed = start.elapsed();
+        end = Some(Instant::now());
         closer.close().await;
     };
     let (result, ()) = tokio::join!(dispatcher.run(), finish);
     result.expect("a clean run");
-    messages as f64 / elapsed.as_secs_f64()
+    let elapsed = end.expect("finished") - warm.get().expect("warmed up");
+    (messages - warmup) as f64 / elapsed.as_secs_f64()
 }
 
 /// The ceiling: a plain `pulsar` consumer loop that acks each message.
@@ -531,18 +595,22 @@ async fn e2e_raw(url: &str, messages: usize, receiver_queue: u32) -> f64 {
         .build()
         .await
         .expect("subscribing");
-    let start = Instant::now();
-    for _ in 0..messages {
+    let warmup = e2e_warmup(messages, receiver_queue);
+    let mut start = Instant::now();
+    for index in 1..=messages {
         let message = consumer
             .next()
             .await
             .expect("the stream goes on")
             .expect("a message");
         consumer.ack(&message).await.expect("acking");
+        if index == warmup {
+            start = Instant::now();
+        }
     }
     let elapsed = start.elapsed();
     consumer.close().await.expect("closing");
-    messages as f64 / elapsed.as_secs_f64()
+    (messages - warmup) as f64 / elapsed.as_secs_f64()
 }
 
 /// One dispatcher per core on a Shared subscription: messages per second
@@ -551,6 +619,7 @@ fn e2e_per_core(url: &str, cores: usize, messages: usize, receiver_queue: u32) -
     let topic = fresh_topic("per-core");
     on_local(produce(url, &topic, messages, SubType::Shared));
     let count = Arc::new(AtomicUsize::new(0));
+    let warmup = e2e_warmup(messages, receiver_queue);
     let (done_tx, done_rx) = mpsc::channel();
     let factory = {
         let (url, topic) = (url.to_string(), topic.clone());
@@ -560,8 +629,9 @@ fn e2e_per_core(url: &str, cores: usize, messages: usize, receiver_queue: u32) -
             async move {
                 let dispatcher = Dispatcher::builder().concurrency(20).connect(&url).await?;
                 let handler = async move |_message: &Message| {
-                    if count.fetch_add(1, Ordering::Relaxed) + 1 == messages {
-                        let _ = done.send(());
+                    let handled = count.fetch_add(1, Ordering::Relaxed) + 1;
+                    if handled == warmup || handled == messages {
+                        let _ = done.send(Instant::now());
                     }
                     Ok::<(), std::convert::Infallible>(())
                 };
@@ -576,21 +646,25 @@ fn e2e_per_core(url: &str, cores: usize, messages: usize, receiver_queue: u32) -
         }
     };
     let group = PerCore::start(cores, factory).expect("starting the dispatchers");
-    let start = Instant::now();
-    done_rx
-        .recv_timeout(Duration::from_secs(300))
-        .expect("every message is handled");
-    let elapsed = start.elapsed();
+    let wait = || {
+        done_rx
+            .recv_timeout(Duration::from_secs(300))
+            .expect("every message is handled")
+    };
+    let (start, end) = (wait(), wait());
     group.shutdown_handle().shutdown();
     for result in group.join() {
         result.expect("a clean run");
     }
-    messages as f64 / elapsed.as_secs_f64()
+    (messages - warmup) as f64 / (end - start).as_secs_f64()
 }
 
 fn e2e(sizes: &Sizes, report: &mut Map<String, Value>) {
     let url = pulsar_url();
     let mut e2e = Map::new();
+    eprintln!("on the broker: warming the broker up");
+    on_local(e2e_raw(&url, sizes.e2e / 4, 1000));
+    on_local(e2e_ours(&url, sizes.e2e / 4, 1000));
     for receiver_queue in [1000u32, 1] {
         let messages = if receiver_queue == 1 {
             sizes.e2e_queue_1
@@ -601,9 +675,15 @@ fn e2e(sizes: &Sizes, report: &mut Map<String, Value>) {
             "on the broker: ours and the plain consumer loop, receiver queue {receiver_queue}"
         );
         let (mut ours, mut raw) = (Vec::new(), Vec::new());
-        for _ in 0..sizes.e2e_repeats {
+        for repeat in 0..sizes.e2e_repeats {
+            // Alternate which goes first, so that drift hits both alike.
+            if repeat % 2 == 1 {
+                raw.push(on_local(e2e_raw(&url, messages, receiver_queue)));
+            }
             ours.push(on_local(e2e_ours(&url, messages, receiver_queue)));
-            raw.push(on_local(e2e_raw(&url, messages, receiver_queue)));
+            if repeat % 2 == 0 {
+                raw.push(on_local(e2e_raw(&url, messages, receiver_queue)));
+            }
         }
         let (ours, raw) = (median(ours), median(raw));
         for (bench, rate) in [("e2e_ours", ours), ("e2e_raw", raw)] {
@@ -623,22 +703,29 @@ fn e2e(sizes: &Sizes, report: &mut Map<String, Value>) {
     if let Some(python) = python() {
         for receiver_queue in [1000u32, 1] {
             eprintln!("on the broker: the Python original, receiver queue {receiver_queue}");
+            let messages = if receiver_queue == 1 {
+                sizes.python_e2e / 2
+            } else {
+                sizes.python_e2e
+            };
             let args = [
                 "--url".to_string(),
                 url.clone(),
                 "--topic".into(),
                 fresh_topic("python"),
                 "--messages".into(),
-                sizes.python_e2e.to_string(),
+                messages.to_string(),
                 "--receiver-queue".into(),
                 receiver_queue.to_string(),
+                "--warmup".into(),
+                e2e_warmup(messages, receiver_queue).to_string(),
             ];
             match run_python(&python, "e2e_bench.py", &args) {
                 Ok(value) => {
                     let rate = value["msgs_per_s"].as_f64().unwrap_or(f64::NAN);
                     emit(
                         json!({"bench": "e2e_python", "receiver_queue": receiver_queue,
-                                "messages": sizes.python_e2e, "msgs_per_s": rate}),
+                                "messages": messages, "msgs_per_s": rate}),
                     );
                     e2e.insert(format!("python_q{receiver_queue}"), json!(rate));
                     if receiver_queue == 1000 {
@@ -655,9 +742,14 @@ fn e2e(sizes: &Sizes, report: &mut Map<String, Value>) {
     }
     eprintln!("on the broker: one dispatcher per core, 1 and 2 cores, receiver queue 1000");
     let (mut one, mut two) = (Vec::new(), Vec::new());
-    for _ in 0..sizes.e2e_repeats {
+    for repeat in 0..sizes.e2e_repeats {
+        if repeat % 2 == 1 {
+            two.push(e2e_per_core(&url, 2, sizes.e2e, 1000));
+        }
         one.push(e2e_per_core(&url, 1, sizes.e2e, 1000));
-        two.push(e2e_per_core(&url, 2, sizes.e2e, 1000));
+        if repeat % 2 == 0 {
+            two.push(e2e_per_core(&url, 2, sizes.e2e, 1000));
+        }
     }
     let (one, two) = (median(one), median(two));
     for (cores, rate) in [(1, one), (2, two)] {
@@ -700,6 +792,16 @@ fn print_table(report: &Map<String, Value>) {
                 show(number("dispatch_vs_floor"), "x")
             ),
             verdict(number("dispatch_vs_floor").map(|r| r <= 1.3)),
+        ),
+        (
+            "  CPU time per message (ours)",
+            show(number("dispatch_cpu_ns_per_msg"), "ns/msg"),
+            format!(
+                "floor {} port {}",
+                show(number("spawn_floor_cpu_ns_per_msg"), "ns"),
+                show(number("mt_port_cpu_ns_per_msg"), "ns")
+            ),
+            "",
         ),
         (
             "multi-threaded port",

@@ -2,8 +2,9 @@
 
 Pre-produces N messages to a fresh topic with the official Python client,
 then consumes them through `PulsarDispatcher` with a no-op handler and the
-given receiver queue size. The clock runs from
-`run()` until the last handler has run. Prints one JSON line.
+given receiver queue size. The clock runs from the handler of message
+number `--warmup` (past what the client prefetched at subscribe) until the
+last handler has run. Prints one JSON line.
 
 Usage: python e2e_bench.py --url pulsar://127.0.0.1:6650 --topic T --messages N --receiver-queue Q
 """
@@ -40,16 +41,19 @@ def produce(url, topic, messages, payload_size):
         raise RuntimeError(f"{len(failures)} sends failed: {failures[0]}")
 
 
-async def consume(url, topic, messages, receiver_queue):
+async def consume(url, topic, messages, receiver_queue, warmup):
     dispatcher = PulsarDispatcher(url, concurrency=20)
     handled = 0
+    warm = None
     done = asyncio.get_running_loop().create_future()
 
     async def handler(_message):
-        nonlocal handled
+        nonlocal handled, warm
         handled += 1
+        if handled == warmup:
+            warm = time.perf_counter_ns()
         if handled == messages:
-            done.set_result(None)
+            done.set_result(time.perf_counter_ns())
         return None
 
     await dispatcher.subscribe(
@@ -58,13 +62,11 @@ async def consume(url, topic, messages, receiver_queue):
         subscription_name="bench",
         receiver_queue_size=receiver_queue,
     )
-    start = time.perf_counter_ns()
     runner = asyncio.create_task(dispatcher.run())
-    await done
-    elapsed = time.perf_counter_ns() - start
+    end = await done
     await dispatcher.close()
     await runner
-    return elapsed
+    return end - warm
 
 
 if __name__ == "__main__":
@@ -74,10 +76,13 @@ if __name__ == "__main__":
     parser.add_argument("--messages", type=int, default=10000)
     parser.add_argument("--receiver-queue", type=int, default=1000)
     parser.add_argument("--payload-size", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
     produce(args.url, args.topic, args.messages, args.payload_size)
     elapsed = asyncio.run(
-        consume(args.url, args.topic, args.messages, args.receiver_queue)
+        consume(
+            args.url, args.topic, args.messages, args.receiver_queue, args.warmup
+        )
     )
     print(
         json.dumps(
@@ -85,7 +90,7 @@ if __name__ == "__main__":
                 "bench": "python_e2e",
                 "receiver_queue": args.receiver_queue,
                 "messages": args.messages,
-                "msgs_per_s": args.messages / (elapsed / 1e9),
+                "msgs_per_s": (args.messages - args.warmup) / (elapsed / 1e9),
             }
         ),
         flush=True,

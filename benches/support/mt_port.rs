@@ -253,6 +253,16 @@ fn counting_handler(count: Arc<AtomicUsize>, done: Arc<Notify>, total: usize) ->
 /// The workload on the port: from starting the tasks until the last
 /// handler ran.
 pub fn run(runtime: &Runtime, workload: Workload) -> Duration {
+    run_counted(runtime, workload, None).0
+}
+
+/// Like [`run`]; with `counter`, also returns how much it advanced per
+/// message over the same window (for CPU time, a process-wide counter).
+pub fn run_counted(
+    runtime: &Runtime,
+    workload: Workload,
+    counter: Option<fn() -> u64>,
+) -> (Duration, Option<f64>) {
     let Workload {
         subscriptions,
         levels,
@@ -260,7 +270,7 @@ pub fn run(runtime: &Runtime, workload: Workload) -> Duration {
         messages,
     } = workload;
     if messages == 0 {
-        return Duration::ZERO;
+        return (Duration::ZERO, None);
     }
     let count = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(Notify::new());
@@ -275,11 +285,15 @@ pub fn run(runtime: &Runtime, workload: Workload) -> Duration {
     for index in 0..messages {
         topics[index % subscriptions].send(Vec::new());
     }
-    let elapsed = runtime.block_on(async {
+    let (elapsed, counted) = runtime.block_on(async {
+        let begin = counter.map(|read| read());
         let start = Instant::now();
         let tasks = dispatcher.start();
         done.notified().await;
         let elapsed = start.elapsed();
+        let counted = begin
+            .zip(counter)
+            .map(|(begin, read)| (read() - begin) as f64 / messages as f64);
         for task in &tasks {
             task.abort();
         }
@@ -290,10 +304,10 @@ pub fn run(runtime: &Runtime, workload: Workload) -> Duration {
         while topics.iter().map(|t| t.acked_count()).sum::<usize>() < messages {
             tokio::task::yield_now().await;
         }
-        elapsed
+        (elapsed, counted)
     });
     assert_eq!(count.load(Ordering::Relaxed), messages);
-    elapsed
+    (elapsed, counted)
 }
 
 /// "Message available → handler started" on a running port with one
