@@ -97,7 +97,7 @@ impl Options {
                 python_fake: 10_000,
                 e2e: 20_000,
                 e2e_queue_1: 300,
-                python_e2e: 1_400,
+                python_e2e: 5_000,
                 e2e_repeats: 2,
             }
         } else {
@@ -109,7 +109,7 @@ impl Options {
                 python_fake: 30_000,
                 e2e: 50_000,
                 e2e_queue_1: 600,
-                python_e2e: 1_800,
+                python_e2e: 10_000,
                 e2e_repeats: 3,
             }
         }
@@ -522,6 +522,24 @@ fn consumer_options(receiver_queue: u32) -> ConsumerOptions {
     }
 }
 
+/// A rate on the broker, with the CPU time this process spent per message
+/// over the same window (the client's side only; the broker is another
+/// process).
+#[derive(Clone, Copy, Debug)]
+struct Rate {
+    msgs_per_s: f64,
+    cpu_us_per_msg: f64,
+}
+
+impl Rate {
+    fn between(start: (Instant, u64), end: (Instant, u64), messages: usize) -> Rate {
+        Rate {
+            msgs_per_s: messages as f64 / (end.0 - start.0).as_secs_f64(),
+            cpu_us_per_msg: (end.1 - start.1) as f64 / 1e3 / messages as f64,
+        }
+    }
+}
+
 /// How many messages each broker run leaves out of its rate: the first
 /// receiver queue's worth, which a client may already hold when it starts,
 /// so that every implementation is measured in steady state.
@@ -531,7 +549,7 @@ fn e2e_warmup(messages: usize, receiver_queue: u32) -> usize {
 
 /// Ours on the broker: messages per second between the warm-up message and
 /// the last handler.
-async fn e2e_ours(url: &str, messages: usize, receiver_queue: u32) -> f64 {
+async fn e2e_ours(url: &str, messages: usize, receiver_queue: u32) -> Rate {
     let warmup = e2e_warmup(messages, receiver_queue);
     let topic = fresh_topic("ours");
     produce(url, &topic, messages, SubType::Exclusive).await;
@@ -548,7 +566,7 @@ async fn e2e_ours(url: &str, messages: usize, receiver_queue: u32) -> f64 {
         async move |_message: &Message| {
             count.set(count.get() + 1);
             if count.get() == warmup {
-                warm.set(Some(Instant::now()));
+                warm.set(Some((Instant::now(), cpu_ns())));
             }
             if count.get() == messages {
                 done.notify_one();
@@ -568,17 +586,20 @@ async fn e2e_ours(url: &str, messages: usize, receiver_queue: u32) -> f64 {
     let mut end = None;
     let finish = async {
         done.notified().await;
-        end = Some(Instant::now());
+        end = Some((Instant::now(), cpu_ns()));
         closer.close().await;
     };
     let (result, ()) = tokio::join!(dispatcher.run(), finish);
     result.expect("a clean run");
-    let elapsed = end.expect("finished") - warm.get().expect("warmed up");
-    (messages - warmup) as f64 / elapsed.as_secs_f64()
+    Rate::between(
+        warm.get().expect("warmed up"),
+        end.expect("finished"),
+        messages - warmup,
+    )
 }
 
 /// The ceiling: a plain `pulsar` consumer loop that acks each message.
-async fn e2e_raw(url: &str, messages: usize, receiver_queue: u32) -> f64 {
+async fn e2e_raw(url: &str, messages: usize, receiver_queue: u32) -> Rate {
     use futures::StreamExt;
     let topic = fresh_topic("raw");
     produce(url, &topic, messages, SubType::Exclusive).await;
@@ -596,7 +617,7 @@ async fn e2e_raw(url: &str, messages: usize, receiver_queue: u32) -> f64 {
         .await
         .expect("subscribing");
     let warmup = e2e_warmup(messages, receiver_queue);
-    let mut start = Instant::now();
+    let mut start = (Instant::now(), cpu_ns());
     for index in 1..=messages {
         let message = consumer
             .next()
@@ -605,12 +626,12 @@ async fn e2e_raw(url: &str, messages: usize, receiver_queue: u32) -> f64 {
             .expect("a message");
         consumer.ack(&message).await.expect("acking");
         if index == warmup {
-            start = Instant::now();
+            start = (Instant::now(), cpu_ns());
         }
     }
-    let elapsed = start.elapsed();
+    let end = (Instant::now(), cpu_ns());
     consumer.close().await.expect("closing");
-    (messages - warmup) as f64 / elapsed.as_secs_f64()
+    Rate::between(start, end, messages - warmup)
 }
 
 /// One dispatcher per core on a Shared subscription: messages per second
@@ -685,17 +706,24 @@ fn e2e(sizes: &Sizes, report: &mut Map<String, Value>) {
                 raw.push(on_local(e2e_raw(&url, messages, receiver_queue)));
             }
         }
-        let (ours, raw) = (median(ours), median(raw));
-        for (bench, rate) in [("e2e_ours", ours), ("e2e_raw", raw)] {
+        let ours_cpu = median(ours.iter().map(|r: &Rate| r.cpu_us_per_msg).collect());
+        let raw_cpu = median(raw.iter().map(|r: &Rate| r.cpu_us_per_msg).collect());
+        let ours = median(ours.iter().map(|r| r.msgs_per_s).collect());
+        let raw = median(raw.iter().map(|r| r.msgs_per_s).collect());
+        for (bench, rate, cpu) in [("e2e_ours", ours, ours_cpu), ("e2e_raw", raw, raw_cpu)] {
             emit(json!({"bench": bench, "receiver_queue": receiver_queue,
-                        "messages": messages, "msgs_per_s": rate}));
+                        "messages": messages, "msgs_per_s": rate, "cpu_us_per_msg": cpu}));
         }
         e2e.insert(format!("ours_q{receiver_queue}"), json!(ours));
         e2e.insert(format!("raw_q{receiver_queue}"), json!(raw));
+        e2e.insert(format!("ours_cpu_us_q{receiver_queue}"), json!(ours_cpu));
+        e2e.insert(format!("raw_cpu_us_q{receiver_queue}"), json!(raw_cpu));
         if receiver_queue == 1000 {
             report.insert("e2e_msgs_per_s".into(), json!(ours));
             report.insert("e2e_raw_msgs_per_s".into(), json!(raw));
             report.insert("e2e_vs_raw".into(), json!(ours / raw));
+            report.insert("e2e_cpu_us_per_msg".into(), json!(ours_cpu));
+            report.insert("e2e_raw_cpu_us_per_msg".into(), json!(raw_cpu));
         } else {
             report.insert("e2e_q1_vs_raw".into(), json!(ours / raw));
         }
@@ -723,13 +751,16 @@ fn e2e(sizes: &Sizes, report: &mut Map<String, Value>) {
             match run_python(&python, "e2e_bench.py", &args) {
                 Ok(value) => {
                     let rate = value["msgs_per_s"].as_f64().unwrap_or(f64::NAN);
+                    let cpu = value["cpu_us_per_msg"].as_f64().unwrap_or(f64::NAN);
                     emit(
                         json!({"bench": "e2e_python", "receiver_queue": receiver_queue,
-                                "messages": messages, "msgs_per_s": rate}),
+                                "messages": messages, "msgs_per_s": rate, "cpu_us_per_msg": cpu}),
                     );
                     e2e.insert(format!("python_q{receiver_queue}"), json!(rate));
+                    e2e.insert(format!("python_cpu_us_q{receiver_queue}"), json!(cpu));
                     if receiver_queue == 1000 {
                         report.insert("e2e_python_msgs_per_s".into(), json!(rate));
+                        report.insert("e2e_python_cpu_us_per_msg".into(), json!(cpu));
                     }
                 }
                 Err(error) => eprintln!("  skipped: {error}"),
@@ -848,6 +879,16 @@ fn print_table(report: &Map<String, Value>) {
                 show(number("e2e_vs_raw"), "x")
             ),
             verdict(number("e2e_vs_raw").map(|r| r >= 0.9)),
+        ),
+        (
+            "  client CPU per message (ours)",
+            show(number("e2e_cpu_us_per_msg"), "us/msg"),
+            format!(
+                "raw {} python {}",
+                show(number("e2e_raw_cpu_us_per_msg"), "us"),
+                show(number("e2e_python_cpu_us_per_msg"), "us")
+            ),
+            "",
         ),
         (
             "e2e plain consumer loop",

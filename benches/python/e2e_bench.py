@@ -51,9 +51,9 @@ async def consume(url, topic, messages, receiver_queue, warmup):
         nonlocal handled, warm
         handled += 1
         if handled == warmup:
-            warm = time.perf_counter_ns()
+            warm = (time.perf_counter_ns(), time.process_time_ns())
         if handled == messages:
-            done.set_result(time.perf_counter_ns())
+            done.set_result((time.perf_counter_ns(), time.process_time_ns()))
         return None
 
     await dispatcher.subscribe(
@@ -66,7 +66,7 @@ async def consume(url, topic, messages, receiver_queue, warmup):
     end = await done
     await dispatcher.close()
     await runner
-    return end - warm
+    return end[0] - warm[0], end[1] - warm[1]
 
 
 if __name__ == "__main__":
@@ -79,7 +79,7 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
     produce(args.url, args.topic, args.messages, args.payload_size)
-    elapsed = asyncio.run(
+    elapsed, cpu = asyncio.run(
         consume(
             args.url, args.topic, args.messages, args.receiver_queue, args.warmup
         )
@@ -91,6 +91,8 @@ if __name__ == "__main__":
                 "receiver_queue": args.receiver_queue,
                 "messages": args.messages,
                 "msgs_per_s": (args.messages - args.warmup) / (elapsed / 1e9),
+                # Every thread of the process: asyncio and the C++ client's.
+                "cpu_us_per_msg": cpu / 1e3 / (args.messages - args.warmup),
             }
         ),
         flush=True,
