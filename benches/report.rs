@@ -22,7 +22,8 @@
 //! each in-memory workload completes, on a handful of messages.
 //!
 //! `--profile ours|floor|mt` runs one in-memory workload once (for
-//! `valgrind --tool=callgrind`).
+//! `valgrind --tool=callgrind`); `--profile e2e-q<N>` runs ours and the
+//! plain loop once on the broker at receiver queue size N.
 
 mod support;
 
@@ -948,12 +949,22 @@ fn smoke() {
 }
 
 fn profile(what: &str) {
+    if let Some(queue) = what.strip_prefix("e2e-q") {
+        // Ours and the plain loop on the broker at one receiver queue size.
+        let queue: u32 = queue.parse().expect("e2e-q<receiver queue size>");
+        let messages = if queue == 1 { 200 } else { 20_000 };
+        let url = pulsar_url();
+        let ours = on_local(e2e_ours(&url, messages, queue));
+        let raw = on_local(e2e_raw(&url, messages, queue));
+        println!("receiver queue {queue}: ours {ours:?}, plain loop {raw:?}");
+        return;
+    }
     let workload = Workload::new(1, 20, 50_000);
     let elapsed = match what {
         "ours" => on_local(support::ours(workload)),
         "floor" => on_local(support::floor(20, workload.messages)),
         "mt" => mt_port::run(&mt_port::runtime(), workload),
-        other => panic!("unknown profile target {other}; use ours, floor or mt"),
+        other => panic!("unknown profile target {other}; use ours, floor, mt or e2e-q<N>"),
     };
     println!(
         "{what}: {:.0} ns/msg",
