@@ -225,6 +225,19 @@ def main():
                 note="longer is better; broker, clients and benchmark share the same 2 cores",
             )
         )
+    if e2e.get("ours_cpu_us_q1000"):
+        (out_dir / "e2e-cpu.svg").write_text(
+            bars(
+                "On the broker: client CPU time per message (receiver queue 1000)",
+                "us",
+                [
+                    ("plain pulsar consumer loop", e2e.get("raw_cpu_us_q1000"), "raw", ""),
+                    ("ours", e2e.get("ours_cpu_us_q1000"), "ours", ""),
+                    ("Python original", e2e.get("python_cpu_us_q1000"), "python", ""),
+                ],
+                note="shorter is better; every thread of the consuming process, broker excluded",
+            )
+        )
     print(f"figures written to {out_dir}")
 
 

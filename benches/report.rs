@@ -202,6 +202,15 @@ fn cpu_ns() -> u64 {
         .sum()
 }
 
+/// CPU time used so far by the calling thread, in nanoseconds; 0 where
+/// `/proc/thread-self/schedstat` is not available.
+fn thread_cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|stat| stat.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Wall time and CPU time per message of one implementation.
 #[derive(Default)]
 struct Samples {
@@ -239,9 +248,11 @@ fn side_by_side(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime) -> [(f64, f
     let mut floor = Samples::default();
     let mut mt = Samples::default();
     for _ in 0..sizes.repeats {
-        let run = on_local(support::ours_counted(workload, 1, Some(cpu_ns)));
+        // The single-threaded runs count their own thread only, so that the
+        // port's idle workers do not add to them.
+        let run = on_local(support::ours_counted(workload, 1, Some(thread_cpu_ns)));
         ours.push(ns_per_msg(run.elapsed, messages), run.allocs_per_msg);
-        let (elapsed, cpu) = on_local(support::floor_counted(20, messages, 0, Some(cpu_ns)));
+        let (elapsed, cpu) = on_local(support::floor_counted(20, messages, 0, Some(thread_cpu_ns)));
         floor.push(ns_per_msg(elapsed, messages), cpu);
         let (elapsed, cpu) = mt_port::run_counted(mt_runtime, workload, Some(cpu_ns));
         mt.push(ns_per_msg(elapsed, messages), cpu);
