@@ -13,6 +13,7 @@
 //! dispatcher lives on one thread.
 
 mod memory;
+mod nodelay;
 mod pulsar;
 
 pub use self::memory::{Event, MemoryConsumer, MemoryProducer, MemoryTransport};

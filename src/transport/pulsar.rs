@@ -16,13 +16,16 @@
 //! and nacks it (redelivering the whole batch) otherwise.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
 use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
 
+use super::nodelay::disable_nagle;
 use super::{Consumer, OutgoingMessage, Producer, Transport, TransportError};
 use crate::message::{Message, MessageId};
 use crate::subscription::SubscribeOptions;
@@ -32,6 +35,7 @@ pub struct PulsarTransport {
     /// Taken on close, so that the connections go once the consumers and
     /// producers holding them are gone.
     client: RefCell<Option<Pulsar<TokioExecutor>>>,
+    brokers: Rc<BrokerSockets>,
 }
 
 impl PulsarTransport {
@@ -52,6 +56,7 @@ impl PulsarTransport {
     pub fn from_client(client: Pulsar<TokioExecutor>) -> Self {
         PulsarTransport {
             client: RefCell::new(Some(client)),
+            brokers: Rc::default(),
         }
     }
 
@@ -93,20 +98,30 @@ impl Transport for PulsarTransport {
         if let Some(policy) = &options.dead_letter_policy {
             builder = builder.with_dead_letter_policy(policy.clone());
         }
+        let mut consumer = builder.build().await?;
+        if let Ok(urls) = consumer.connections().await {
+            for url in urls {
+                self.brokers.add(url.host_str(), url.port()).await;
+            }
+        }
+        self.brokers.disable_nagle();
         Ok(PulsarConsumer {
-            consumer: builder.build().await?,
+            consumer,
             topic: Rc::from(topic),
             batches: BatchSettlements::default(),
+            brokers: self.brokers.clone(),
         })
     }
 
     async fn create_producer(&self, topic: &str) -> Result<PulsarProducer, TransportError> {
-        let producer = self
-            .open_client()?
-            .producer()
-            .with_topic(topic)
-            .build()
-            .await?;
+        let client = self.open_client()?;
+        let producer = client.producer().with_topic(topic).build().await?;
+        if let Ok(broker) = client.lookup_topic(topic).await {
+            self.brokers
+                .add(broker.url.host_str(), broker.url.port())
+                .await;
+            self.brokers.disable_nagle();
+        }
         Ok(PulsarProducer {
             producer: tokio::sync::Mutex::new(producer),
         })
@@ -123,6 +138,48 @@ pub struct PulsarConsumer {
     consumer: pulsar::Consumer<Vec<u8>, TokioExecutor>,
     topic: Rc<str>,
     batches: BatchSettlements,
+    brokers: Rc<BrokerSockets>,
+}
+
+/// The broker addresses this transport talks to, and when their sockets
+/// were last checked for Nagle's algorithm (see `nodelay`).
+#[derive(Default)]
+struct BrokerSockets {
+    peers: RefCell<HashSet<SocketAddr>>,
+    last_check: std::cell::Cell<Option<Instant>>,
+}
+
+/// How often a consumer that is receiving looks again, so that a connection
+/// the crate re-establishes after a failure also gets Nagle's algorithm off.
+const NODELAY_RECHECK: Duration = Duration::from_secs(10);
+
+impl BrokerSockets {
+    async fn add(&self, host: Option<&str>, port: Option<u16>) {
+        let (Some(host), Some(port)) = (host, port) else {
+            return;
+        };
+        if let Ok(addresses) = tokio::net::lookup_host((host, port)).await {
+            self.peers.borrow_mut().extend(addresses);
+        }
+    }
+
+    fn disable_nagle(&self) {
+        self.last_check.set(Some(Instant::now()));
+        let changed = disable_nagle(&self.peers.borrow());
+        if changed > 0 {
+            tracing::debug!(changed, "TCP_NODELAY set on broker connections");
+        }
+    }
+
+    fn recheck_if_due(&self) {
+        if self
+            .last_check
+            .get()
+            .is_none_or(|last| last.elapsed() >= NODELAY_RECHECK)
+        {
+            self.disable_nagle();
+        }
+    }
 }
 
 impl PulsarConsumer {
@@ -214,7 +271,9 @@ impl Consumer for PulsarConsumer {
     async fn receive(&mut self) -> Option<Result<Message, TransportError>> {
         // `Stream::next` is cancel-safe: the crate keeps undelivered messages
         // in its own queue.
-        match self.consumer.next().await? {
+        let received = self.consumer.next().await?;
+        self.brokers.recheck_if_due();
+        match received {
             Ok(received) => Some(Ok(self.convert(received))),
             Err(error) => Some(Err(error.into())),
         }
