@@ -111,7 +111,7 @@ impl Options {
                 e2e: 50_000,
                 e2e_queue_1: 600,
                 python_e2e: 10_000,
-                e2e_repeats: 3,
+                e2e_repeats: 5,
             }
         }
     }
@@ -718,6 +718,13 @@ fn e2e(sizes: &Sizes, report: &mut Map<String, Value>) {
                 raw.push(on_local(e2e_raw(&url, messages, receiver_queue)));
             }
         }
+        for (bench, samples) in [("e2e_ours_sample", &ours), ("e2e_raw_sample", &raw)] {
+            for sample in samples.iter() {
+                emit(json!({"bench": bench, "receiver_queue": receiver_queue,
+                            "messages": messages, "msgs_per_s": sample.msgs_per_s,
+                            "cpu_us_per_msg": sample.cpu_us_per_msg}));
+            }
+        }
         let ours_cpu = median(ours.iter().map(|r: &Rate| r.cpu_us_per_msg).collect());
         let raw_cpu = median(raw.iter().map(|r: &Rate| r.cpu_us_per_msg).collect());
         let ours = median(ours.iter().map(|r| r.msgs_per_s).collect());
@@ -792,6 +799,12 @@ fn e2e(sizes: &Sizes, report: &mut Map<String, Value>) {
         one.push(e2e_per_core(&url, 1, sizes.e2e, 1000));
         if repeat % 2 == 0 {
             two.push(e2e_per_core(&url, 2, sizes.e2e, 1000));
+        }
+    }
+    for (cores, samples) in [(1, &one), (2, &two)] {
+        for rate in samples.iter() {
+            emit(json!({"bench": "e2e_per_core_sample", "cores": cores,
+                        "receiver_queue": 1000, "messages": sizes.e2e, "msgs_per_s": rate}));
         }
     }
     let (one, two) = (median(one), median(two));
