@@ -109,7 +109,7 @@ impl Options {
                 scaling: 300_000,
                 python_fake: 30_000,
                 e2e: 50_000,
-                e2e_queue_1: 600,
+                e2e_queue_1: 400,
                 python_e2e: 10_000,
                 e2e_repeats: 5,
             }
