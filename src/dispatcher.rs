@@ -23,10 +23,10 @@ use tracing::{debug, error, info, warn};
 use crate::error::Error;
 use crate::family::{PriorityLevel, TopicFamily};
 use crate::message::Message;
-use crate::process::{HandlerError, HandlerTask, InFlight, IntoReply, Outcome, Spawn};
+use crate::process::{HandlerError, HandlerTask, InFlight, IntoReply, Spawn};
 use crate::reader::{self, Delivery, SubscriptionContext, Verdict};
 use crate::routing::{
-    retry_topic_problems, DeadLetterTargets, RetryTopicCheck, Router, RoutingPolicy,
+    retry_topic_problems, DeadLetterTargets, Publish, RetryTopicCheck, Router, RoutingPolicy,
 };
 use crate::scheduler::Scheduler;
 use crate::subscription::SubscribeOptions;
@@ -483,15 +483,16 @@ impl<T: Transport> Core<T> {
         self.scheduler().release_permit();
     }
 
-    pub(crate) async fn route(
-        &self,
-        policy: &RoutingPolicy,
-        message: &Message,
-        outcome: Outcome,
-    ) -> Verdict {
-        self.router
-            .route(&self.transport, policy, message, outcome)
-            .await
+    pub(crate) fn router(&self) -> &Router<T> {
+        &self.router
+    }
+
+    pub(crate) fn publish<'a>(
+        &'a self,
+        publish: Publish,
+        message: &'a Message,
+    ) -> LocalBoxFuture<'a, Verdict> {
+        self.router.publish(&self.transport, publish, message)
     }
 
     /// Creates a consumer for every plan, then registers them all at once;
@@ -643,8 +644,8 @@ impl<T: Transport> Core<T> {
                 subscription,
                 message,
             } = delivery;
-            let in_flight = InFlight::new(self.clone(), subscription.clone(), message.id.clone());
-            subscription.handler.spawn(message, in_flight);
+            let in_flight = InFlight::new(self.clone(), subscription.clone(), message);
+            subscription.handler.spawn(in_flight);
         }
     }
 

@@ -18,6 +18,7 @@ use futures::FutureExt;
 use crate::dispatcher::Core;
 use crate::message::{Message, MessageId};
 use crate::reader::{SubscriptionContext, Verdict};
+use crate::routing::Action;
 use crate::transport::Transport;
 
 /// The error type handlers' errors are converted to. Any `std::error::Error`
@@ -58,7 +59,7 @@ pub(crate) enum Outcome {
 /// A subscription's handler with its concrete type erased behind the one
 /// operation the dispatch loop needs.
 pub(crate) trait Spawn<T: Transport> {
-    fn spawn(&self, message: Message, in_flight: InFlight<T>);
+    fn spawn(&self, in_flight: InFlight<T>);
 }
 
 /// A handler and the task that runs it; one instance may serve several
@@ -84,15 +85,16 @@ where
     R: IntoReply + 'static,
     E: Into<HandlerError> + 'static,
 {
-    fn spawn(&self, message: Message, in_flight: InFlight<T>) {
+    fn spawn(&self, mut in_flight: InFlight<T>) {
         let handler = self.handler.clone();
         tokio::task::spawn_local(async move {
-            let outcome = match AssertUnwindSafe(handler(&message)).catch_unwind().await {
+            let handled = AssertUnwindSafe(handler(&in_flight.message)).catch_unwind();
+            let outcome = match handled.await {
                 Ok(Ok(reply)) => Outcome::Succeeded(reply.into_reply()),
                 Ok(Err(error)) => Outcome::Failed(error.into()),
                 Err(panic) => Outcome::Panicked(panic_text(panic.as_ref())),
             };
-            in_flight.settle(message, outcome).await;
+            in_flight.settle(outcome).await;
         });
     }
 }
@@ -105,39 +107,49 @@ fn panic_text(panic: &(dyn Any + Send)) -> String {
         .unwrap_or_else(|| "non-string panic payload".into())
 }
 
-/// One dispatched message's claim on a permit and on its settlement.
+/// One dispatched message, with its claim on a permit and on settlement.
 pub(crate) struct InFlight<T: Transport> {
     core: Rc<Core<T>>,
     subscription: Rc<SubscriptionContext<T>>,
-    /// `Some` until the message has been settled.
-    unsettled: Option<MessageId>,
+    message: Message,
+    settled: bool,
 }
 
 impl<T: Transport> InFlight<T> {
     pub(crate) fn new(
         core: Rc<Core<T>>,
         subscription: Rc<SubscriptionContext<T>>,
-        id: MessageId,
+        message: Message,
     ) -> Self {
         InFlight {
             core,
             subscription,
-            unsettled: Some(id),
+            message,
+            settled: false,
         }
     }
 
     /// Routes the handler's outcome (reply, retry, dead letter) and queues
-    /// the resulting ack or nack.
-    async fn settle(mut self, message: Message, outcome: Outcome) {
-        let verdict = self
-            .core
-            .route(&self.subscription.routing, &message, outcome)
-            .await;
+    /// the resulting ack or nack. Works in place and awaits only a boxed
+    /// publish, so that the task holding it stays small.
+    async fn settle(&mut self, outcome: Outcome) {
+        let verdict =
+            match self
+                .core
+                .router()
+                .decide(&self.subscription.routing, &self.message, outcome)
+            {
+                Action::Settle(verdict) => verdict,
+                Action::Publish(publish) => self.core.publish(publish, &self.message).await,
+            };
         self.finish(verdict);
     }
 
     fn finish(&mut self, verdict: Verdict) {
-        if let Some(id) = self.unsettled.take() {
+        if !std::mem::replace(&mut self.settled, true) {
+            // The message is not read after its verdict, so its id moves
+            // to the reader instead of being copied.
+            let id = std::mem::replace(&mut self.message.id, MessageId::unassigned());
             self.subscription.request(id, verdict);
         }
     }

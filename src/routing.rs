@@ -15,6 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use futures::future::LocalBoxFuture;
 use pulsar::SubType;
 use tokio::sync::OnceCell;
 use tracing::{error, info, warn};
@@ -24,7 +25,7 @@ use crate::classify::ErrorClass;
 use crate::dispatcher::SubscriptionInfo;
 use crate::error::Error;
 use crate::message::Message;
-use crate::process::{HandlerError, Outcome};
+use crate::process::Outcome;
 use crate::reader::Verdict;
 use crate::topic::full_topic_name;
 use crate::transport::{OutgoingMessage, Producer, Transport, TransportError};
@@ -168,6 +169,20 @@ pub(crate) struct RoutingPolicy {
     pub(crate) reply_topic: Option<String>,
 }
 
+/// What to do with a handled message: settle it now, or publish first and
+/// settle by the publish's result.
+pub(crate) enum Action {
+    Settle(Verdict),
+    Publish(Publish),
+}
+
+/// A reply, retry or dead letter to publish before settling.
+pub(crate) struct Publish {
+    what: &'static str,
+    topic: String,
+    outgoing: OutgoingMessage,
+}
+
 /// Where a failed message goes.
 #[derive(Debug, PartialEq, Eq)]
 enum Route {
@@ -230,67 +245,81 @@ impl<T: Transport> Router<T> {
         self.producers.close_all().await
     }
 
-    /// Decides, and carries out, what becomes of a handled message.
-    pub(crate) async fn route(
+    /// Publishes a reply, retry or dead letter, and gives the verdict its
+    /// result calls for. Boxed: it is the rare path, and keeping its state
+    /// out of every message's task keeps those tasks small.
+    pub(crate) fn publish<'a>(
+        &'a self,
+        transport: &'a T,
+        publish: Publish,
+        message: &'a Message,
+    ) -> LocalBoxFuture<'a, Verdict> {
+        Box::pin(async move {
+            let Publish {
+                what,
+                topic,
+                outgoing,
+            } = publish;
+            let published = self.producers.send(transport, &topic, outgoing).await;
+            self.ack_if_published(published, what, &topic, message)
+        })
+    }
+
+    /// What becomes of a handled message; logs failures.
+    pub(crate) fn decide(
         &self,
-        transport: &T,
         policy: &RoutingPolicy,
         message: &Message,
         outcome: Outcome,
-    ) -> Verdict {
-        match outcome {
-            Outcome::Succeeded(reply) => match (&policy.reply_topic, reply) {
-                (Some(topic), Some(reply)) => {
-                    let published = self
-                        .producers
-                        .send(transport, topic, OutgoingMessage::new(reply))
-                        .await;
-                    self.ack_if_published(published, "reply", topic, message)
-                }
-                _ => Verdict::Ack,
-            },
-            Outcome::Panicked(panic) => {
-                error!(topic = %message.topic(), message_id = %message.id(), %panic, "handler panicked; nacking");
-                Verdict::Nack
-            }
-            Outcome::Failed(error) => self.route_failure(transport, policy, message, error).await,
-        }
-    }
-
-    async fn route_failure(
-        &self,
-        transport: &T,
-        policy: &RoutingPolicy,
-        message: &Message,
-        error: HandlerError,
-    ) -> Verdict {
-        let route = policy.classify(error.as_ref(), message);
+    ) -> Action {
         let (topic, id) = (message.topic(), message.id());
-        match route {
+        let error = match outcome {
+            Outcome::Succeeded(reply) => {
+                return match (&policy.reply_topic, reply) {
+                    (Some(reply_topic), Some(reply)) => Action::Publish(Publish {
+                        what: "reply",
+                        topic: reply_topic.clone(),
+                        outgoing: OutgoingMessage::new(reply),
+                    }),
+                    _ => Action::Settle(Verdict::Ack),
+                };
+            }
+            Outcome::Panicked(panic) => {
+                error!(%topic, message_id = %id, %panic, "handler panicked; nacking");
+                return Action::Settle(Verdict::Nack);
+            }
+            Outcome::Failed(error) => error,
+        };
+        match policy.classify(error.as_ref(), message) {
             Route::Nack => {
                 warn!(%topic, message_id = %id, %error, "handler failed; nacking");
-                Verdict::Nack
+                Action::Settle(Verdict::Nack)
             }
             Route::Retry => {
                 let retry = policy.retry.as_ref().expect("a retry route has a policy");
                 let (outgoing, delay) =
                     retry_message(message, retry, policy.dead_letter_topic.as_deref());
                 info!(%topic, message_id = %id, %error, retry_topic = %retry.topic, ?delay, "handler failed; retrying later");
-                let published = self.producers.send(transport, &retry.topic, outgoing).await;
-                self.ack_if_published(published, "retry", &retry.topic, message)
+                Action::Publish(Publish {
+                    what: "retry",
+                    topic: retry.topic.clone(),
+                    outgoing,
+                })
             }
-            Route::DeadLetter => {
-                let Some(destination) = self.dead_letter_destination(policy, message) else {
+            Route::DeadLetter => match self.dead_letter_destination(policy, message) {
+                Some(destination) => {
+                    warn!(%topic, message_id = %id, %error, dead_letter_topic = %destination, "handler failed; dead-lettering");
+                    Action::Publish(Publish {
+                        what: "dead letter",
+                        topic: destination,
+                        outgoing: dead_letter_message(message),
+                    })
+                }
+                None => {
                     warn!(%topic, message_id = %id, %error, "no dead letter topic; nacking");
-                    return Verdict::Nack;
-                };
-                warn!(%topic, message_id = %id, %error, dead_letter_topic = %destination, "handler failed; dead-lettering");
-                let published = self
-                    .producers
-                    .send(transport, &destination, dead_letter_message(message))
-                    .await;
-                self.ack_if_published(published, "dead letter", &destination, message)
-            }
+                    Action::Settle(Verdict::Nack)
+                }
+            },
         }
     }
 
@@ -451,6 +480,7 @@ mod tests {
     use super::*;
     use crate::backoff::default_backoff;
     use crate::message::MessageId;
+    use crate::process::HandlerError;
     use crate::transport::MemoryTransport;
 
     fn message(properties: &[(&str, &str)]) -> Message {

@@ -9,7 +9,7 @@
 //! keeps the benchmarks about the dispatcher.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::poll_fn;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
@@ -52,6 +52,7 @@ pub enum Event {
 
 #[derive(Default)]
 struct Broker {
+    /// By full name, and by every other spelling used so far.
     topics: RefCell<HashMap<String, Rc<Topic>>>,
     events: RefCell<Vec<Event>>,
     next_entry: Cell<u64>,
@@ -67,8 +68,10 @@ struct Broker {
 struct Topic {
     name: Rc<str>,
     backlog: RefCell<VecDeque<Message>>,
-    /// Messages handed to a consumer and neither acked nor nacked yet.
-    unsettled: RefCell<HashMap<MessageId, Message>>,
+    /// Messages handed to a consumer and neither acked nor nacked yet, by
+    /// entry id (unique in this broker). Few at a time, so a small ordered
+    /// map beats hashing ids.
+    unsettled: RefCell<BTreeMap<u64, Message>>,
     consumer_waker: Cell<Option<Waker>>,
     ended: Cell<bool>,
     received: Cell<u64>,
@@ -107,18 +110,25 @@ impl MemoryTransport {
         Self::default()
     }
 
+    /// The topic, by full or short name. Each spelling is remembered, so
+    /// repeated calls cost one lookup.
     fn topic(&self, name: &str) -> Rc<Topic> {
-        let name = full(name);
+        if let Some(topic) = self.broker.topics.borrow().get(name) {
+            return topic.clone();
+        }
+        let full_name = full(name);
         let mut topics = self.broker.topics.borrow_mut();
-        topics
-            .entry(name.clone())
+        let topic = topics
+            .entry(full_name.clone())
             .or_insert_with(|| {
                 Rc::new(Topic {
-                    name: name.into(),
+                    name: full_name.into(),
                     ..Default::default()
                 })
             })
-            .clone()
+            .clone();
+        topics.insert(name.to_owned(), topic.clone());
+        topic
     }
 
     fn next_id(&self) -> MessageId {
@@ -330,7 +340,7 @@ impl Consumer for MemoryConsumer {
                     self.topic
                         .unsettled
                         .borrow_mut()
-                        .insert(message.id.clone(), message.clone());
+                        .insert(message.id.entry_id(), message.clone());
                     Poll::Ready(Some(Ok(message)))
                 }
                 None => {
@@ -343,7 +353,7 @@ impl Consumer for MemoryConsumer {
     }
 
     async fn ack(&mut self, id: MessageId) -> Result<(), TransportError> {
-        self.topic.unsettled.borrow_mut().remove(&id);
+        self.topic.unsettled.borrow_mut().remove(&id.entry_id());
         self.topic.acked.set(self.topic.acked.get() + 1);
         self.broker.events.borrow_mut().push(Event::Acked {
             topic: self.topic.name.clone(),
@@ -354,7 +364,7 @@ impl Consumer for MemoryConsumer {
     }
 
     async fn nack(&mut self, id: MessageId) -> Result<(), TransportError> {
-        let redelivery = self.topic.unsettled.borrow_mut().remove(&id);
+        let redelivery = self.topic.unsettled.borrow_mut().remove(&id.entry_id());
         self.broker.events.borrow_mut().push(Event::Nacked {
             topic: self.topic.name.clone(),
             id,
@@ -374,12 +384,8 @@ impl Consumer for MemoryConsumer {
                 .set(self.broker.open_consumers.get() - 1);
             // Like a broker, hand whatever this consumer left unsettled to
             // the next consumer.
-            let unsettled: Vec<Message> = self
-                .topic
-                .unsettled
-                .borrow_mut()
-                .drain()
-                .map(|(_, m)| m)
+            let unsettled: Vec<Message> = std::mem::take(&mut *self.topic.unsettled.borrow_mut())
+                .into_values()
                 .collect();
             for message in unsettled {
                 self.topic.push(message, true);
