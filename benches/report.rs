@@ -21,7 +21,8 @@
 //! Run without `--bench` (as `cargo test --benches` does), it checks that
 //! each in-memory workload completes, on a handful of messages.
 //!
-//! `--profile ours|floor|mt` runs one in-memory workload once (for
+//! `--profile ours|ours-k1000|ours-k1000-l16|floor|mt` runs one in-memory
+//! workload once (for
 //! `valgrind --tool=callgrind`); `--profile e2e-q<N>` runs ours and the
 //! plain loop once on the broker at receiver queue size N.
 
@@ -1032,6 +1033,8 @@ fn profile(what: &str) {
     let workload = Workload::new(1, 20, 50_000);
     let elapsed = match what {
         "ours" => on_local(support::ours(workload)),
+        "ours-k1000" => on_local(support::ours(Workload::new(1000, 20, 50_000))),
+        "ours-k1000-l16" => on_local(support::ours(Workload::new(1000, 20, 50_000).levels(16))),
         "floor" => on_local(support::floor(20, workload.messages)),
         "mt" => mt_port::run(&mt_port::runtime(), workload),
         other => panic!("unknown profile target {other}; use ours, floor, mt or e2e-q<N>"),
