@@ -186,7 +186,15 @@ fn floor_ns(concurrency: usize, messages: usize) -> f64 {
 }
 
 fn mt_ns(runtime: &tokio::runtime::Runtime, workload: Workload) -> f64 {
-    ns_per_msg(mt_port::run(runtime, workload), workload.messages)
+    let ns = ns_per_msg(mt_port::run(runtime, workload), workload.messages);
+    let_workers_park();
+    ns
+}
+
+/// The port's workers spin for a while before they park; give them time,
+/// so that they do not compete with the single-threaded run that follows.
+fn let_workers_park() {
+    std::thread::sleep(Duration::from_millis(100));
 }
 
 /// CPU time used so far by every live thread of this process, in
@@ -256,6 +264,7 @@ fn side_by_side(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime) -> [(f64, f
         let (elapsed, cpu) = on_local(support::floor_counted(20, messages, 0, Some(thread_cpu_ns)));
         floor.push(ns_per_msg(elapsed, messages), cpu);
         let (elapsed, cpu) = mt_port::run_counted(mt_runtime, workload, Some(cpu_ns));
+        let_workers_park();
         mt.push(ns_per_msg(elapsed, messages), cpu);
     }
     [ours.medians(), floor.medians(), mt.medians()]
