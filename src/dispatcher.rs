@@ -622,7 +622,12 @@ impl<T: Transport> Core<T> {
             })
             .collect();
         self.dispatch_until_closed().await;
+        debug!(
+            in_flight = self.scheduler().in_flight(),
+            "queued messages dispatched; waiting for handlers"
+        );
         poll_fn(|cx| self.scheduler().poll_idle(cx)).await;
+        debug!("handlers finished; readers settle and close");
         self.phase.set(Phase::Drained);
         self.wake_readers();
         for (topic, reader) in readers {

@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
 
@@ -148,6 +148,9 @@ struct BrokerSockets {
     peers: RefCell<HashSet<SocketAddr>>,
     last_check: std::cell::Cell<Option<Instant>>,
 }
+
+/// How long closing a consumer may take before the consumer is dropped.
+const CONSUMER_CLOSE_LIMIT: Duration = Duration::from_secs(10);
 
 /// How often a consumer that is receiving looks again, so that a connection
 /// the crate re-establishes after a failure also gets Nagle's algorithm off.
@@ -288,9 +291,23 @@ impl Consumer for PulsarConsumer {
     }
 
     async fn close(&mut self) -> Result<(), TransportError> {
-        // The crate routes this through the consumer's engine queue behind
-        // any acks and nacks sent earlier, so they reach the broker first.
-        Ok(self.consumer.close().await?)
+        // The crate's engine hands messages over through a bounded channel
+        // and handles a close only between messages. With the reader no
+        // longer taking messages, a full channel would block the engine, and
+        // so this close, for good. Emptying the channel first leaves room for
+        // all the broker may still send before the close is handled; those
+        // messages were never handled, and the broker redelivers them.
+        while let Some(Some(_)) = self.consumer.next().now_or_never() {}
+        // The close is routed through the engine's queue behind every ack
+        // and nack sent earlier, so they reach the broker first.
+        match tokio::time::timeout(CONSUMER_CLOSE_LIMIT, self.consumer.close()).await {
+            Ok(closed) => Ok(closed?),
+            // Dropping the consumer still closes it on the broker (the
+            // crate's engine does so when it stops).
+            Err(_) => Err(TransportError::Pulsar(pulsar::Error::Custom(format!(
+                "closing the consumer took over {CONSUMER_CLOSE_LIMIT:?}"
+            )))),
+        }
     }
 }
 
