@@ -84,8 +84,12 @@
 //! - [`scheduler`]: the pure scheduler (priority buckets, slots, permits).
 //! - [`transport`]: the seam to the broker, with the Pulsar and in-memory
 //!   implementations.
-//! - The dispatcher itself: readers that own consumers, one task per
-//!   message that settles it, and the lifecycle that shuts everything down.
+//! - [`routing`]: what happens after a handler returns: replies, delayed
+//!   retries, dead letters, and the properties they carry.
+//! - [`per_core`]: one dispatcher per core, with one shutdown for all.
+//! - The dispatcher itself ([`Dispatcher`]): readers that own consumers, one
+//!   task per message that settles it, and the lifecycle that shuts
+//!   everything down; [`TopicFamily`] and [`ErrorClass`] configure it.
 //!
 //! `docs/architecture.md` in the repository walks through the data path and
 //! its invariants.
