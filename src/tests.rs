@@ -79,6 +79,38 @@ fn gated(gate: &Gate) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
     }
 }
 
+/// A running dispatcher whose one subscription, `jobs`, has `count`
+/// messages waiting and a handler that waits for `gate`.
+struct GatedJobs {
+    dispatcher: Rc<Dispatcher<MemoryTransport>>,
+    transport: MemoryTransport,
+    gate: Gate,
+    ids: Vec<crate::MessageId>,
+    run: tokio::task::JoinHandle<Result<(), Error>>,
+}
+
+async fn gated_jobs(concurrency: usize, count: usize) -> GatedJobs {
+    let (dispatcher, transport) = dispatcher(concurrency);
+    let gate = Gate::default();
+    let ids = (0..count)
+        .map(|n| transport.send("jobs", format!("{n}")))
+        .collect();
+    dispatcher
+        .subscribe("jobs", gated(&gate), options(1))
+        .await
+        .unwrap();
+    let dispatcher = Rc::new(dispatcher);
+    let run = spawn_run(&dispatcher);
+    settle_down().await;
+    GatedJobs {
+        dispatcher,
+        transport,
+        gate,
+        ids,
+        run,
+    }
+}
+
 async fn settle_down() {
     for _ in 0..50 {
         yield_now().await;
@@ -360,18 +392,13 @@ fn nacks_wait_out_the_negative_ack_delay_but_not_shutdown() {
 #[test]
 fn shutdown_finishes_queued_and_in_flight_work_then_closes() {
     run_local(async {
-        let (dispatcher, transport) = dispatcher(1);
-        let gate = Gate::default();
-        let ids: Vec<_> = (0..3)
-            .map(|n| transport.send("jobs", format!("{n}")))
-            .collect();
-        dispatcher
-            .subscribe("jobs", gated(&gate), options(1))
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
-        settle_down().await;
+        let GatedJobs {
+            dispatcher,
+            transport,
+            gate,
+            ids,
+            run,
+        } = gated_jobs(1, 3).await;
         let closer = dispatcher.clone();
         let closing = spawn_local(async move { closer.close().await });
         settle_down().await;
@@ -422,16 +449,13 @@ fn a_consumer_that_ends_stops_the_dispatcher_with_an_error_and_still_closes() {
 #[test]
 fn close_is_idempotent_shared_by_concurrent_callers_and_survives_dropped_callers() {
     run_local(async {
-        let (dispatcher, transport) = dispatcher(2);
-        let gate = Gate::default();
-        transport.send("jobs", "x");
-        dispatcher
-            .subscribe("jobs", gated(&gate), options(1))
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
-        settle_down().await;
+        let GatedJobs {
+            dispatcher,
+            transport,
+            gate,
+            ids,
+            run,
+        } = gated_jobs(2, 1).await;
         let handle = dispatcher.close_handle();
         let callers: Vec<_> = (0..3)
             .map(|_| {
@@ -452,7 +476,7 @@ fn close_is_idempotent_shared_by_concurrent_callers_and_survives_dropped_callers
         }
         run.await.unwrap().unwrap();
         assert!(transport.is_closed());
-        assert_eq!(transport.acked("jobs").len(), 1);
+        assert_eq!(transport.acked("jobs"), ids);
         // Closing again returns at once.
         handle.close().await;
         dispatcher.close().await;
@@ -462,18 +486,13 @@ fn close_is_idempotent_shared_by_concurrent_callers_and_survives_dropped_callers
 #[test]
 fn dropping_the_run_future_shuts_down_gracefully() {
     run_local(async {
-        let (dispatcher, transport) = dispatcher(1);
-        let gate = Gate::default();
-        let ids: Vec<_> = (0..2)
-            .map(|n| transport.send("jobs", format!("{n}")))
-            .collect();
-        dispatcher
-            .subscribe("jobs", gated(&gate), options(1))
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
-        settle_down().await;
+        let GatedJobs {
+            dispatcher,
+            transport,
+            gate,
+            ids,
+            run,
+        } = gated_jobs(1, 2).await;
         run.abort();
         assert!(run.await.unwrap_err().is_cancelled());
         gate.open();
