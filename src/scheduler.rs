@@ -25,13 +25,6 @@ use slab::Slab;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SubscriptionKey(usize);
 
-impl SubscriptionKey {
-    /// The slab index behind this key; stable for the scheduler's lifetime.
-    pub fn index(self) -> usize {
-        self.0
-    }
-}
-
 /// Why a message could not be put into its subscription's slot. The message
 /// is handed back so that the caller can settle it.
 #[derive(Debug, PartialEq, Eq)]
@@ -130,11 +123,6 @@ impl<M> Scheduler<M> {
                 self.ready_buckets[index / 64] |= 1 << (index % 64);
             }
         }
-    }
-
-    /// The priority a subscription was registered with.
-    pub fn priority(&self, key: SubscriptionKey) -> i64 {
-        self.buckets[self.subscriptions[key.0].bucket].priority
     }
 
     /// Whether the subscription's slot is empty.
@@ -243,11 +231,6 @@ impl<M> Scheduler<M> {
         for (_, subscription) in self.subscriptions.iter_mut() {
             wake(&mut subscription.vacancy_waker);
         }
-    }
-
-    /// Whether [`close`](Self::close) has been called.
-    pub fn is_closed(&self) -> bool {
-        self.closed
     }
 }
 

@@ -197,11 +197,6 @@ impl SubscribeOptions {
         self
     }
 
-    /// The subscription name, if one was given.
-    pub fn subscription_name(&self) -> Option<&str> {
-        self.subscription.as_deref()
-    }
-
     /// Whether a retry topic has been set.
     pub(crate) fn has_retry_topic(&self) -> bool {
         self.retry_topic.is_some()

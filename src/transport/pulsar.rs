@@ -39,11 +39,6 @@ pub struct PulsarTransport {
 }
 
 impl PulsarTransport {
-    /// Connects to `url` with the `pulsar` crate's default settings.
-    pub async fn connect(url: &str) -> Result<Self, TransportError> {
-        Self::from_builder(Pulsar::builder(url, TokioExecutor)).await
-    }
-
     /// Connects with a builder the caller has configured (authentication,
     /// TLS, retry options, ...).
     pub async fn from_builder(
