@@ -1,7 +1,16 @@
 //! The dispatcher against a real Apache Pulsar broker: delivery, redelivery,
-//! backpressure down to the broker, and shutdown under load.
+//! backpressure down to the broker, and shutdown under load, each on a
+//! plain topic and on a partitioned one.
 
 mod common;
+
+on_plain_and_partitioned_topics!(
+    every_message_of_several_prioritised_topics_is_processed_and_acked_once,
+    a_failed_message_is_redelivered_after_the_negative_ack_delay,
+    with_a_slow_handler_the_backlog_stays_on_the_broker,
+    shutdown_under_load_loses_nothing,
+    a_batch_is_acked_only_once_every_message_in_it_succeeded,
+);
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -10,7 +19,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    client, pulsar_url, run_local, start, unique_name, unique_topic, wait_for_stats, wait_until,
+    client, fresh_topic, is_topic_or_partition, pulsar_url, run_local, start, unique_name,
+    wait_for_stats, wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 use tokio::sync::Notify;
@@ -64,11 +74,12 @@ fn recording(seen: &Seen) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
     }
 }
 
-#[test]
-fn every_message_of_several_prioritised_topics_is_processed_and_acked_once() {
+fn every_message_of_several_prioritised_topics_is_processed_and_acked_once(kind: TopicKind) {
     run_local(Duration::from_secs(90), async {
         let subscription = unique_name("sub");
-        let topics: Vec<String> = (0..3).map(|i| unique_topic(&format!("prio{i}"))).collect();
+        let topics: Vec<String> = (0..3)
+            .map(|i| fresh_topic(&format!("prio{i}"), kind))
+            .collect();
         for topic in &topics {
             produce(topic, (0..20).map(|n| n.to_string())).await;
         }
@@ -107,7 +118,10 @@ fn every_message_of_several_prioritised_topics_is_processed_and_acked_once() {
 
         let mut per_topic: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
         for (topic, payload) in seen.borrow().iter() {
-            let topic = topics.iter().find(|t| *t == topic).expect("a known topic");
+            let topic = topics
+                .iter()
+                .find(|t| is_topic_or_partition(topic, t, kind))
+                .unwrap_or_else(|| panic!("{topic} is none of the subscribed topics"));
             per_topic
                 .entry(topic)
                 .or_default()
@@ -125,10 +139,9 @@ fn every_message_of_several_prioritised_topics_is_processed_and_acked_once() {
     });
 }
 
-#[test]
-fn a_failed_message_is_redelivered_after_the_negative_ack_delay() {
+fn a_failed_message_is_redelivered_after_the_negative_ack_delay(kind: TopicKind) {
     run_local(Duration::from_secs(60), async {
-        let topic = unique_topic("redeliver");
+        let topic = fresh_topic("redeliver", kind);
         let subscription = unique_name("sub");
         let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
         let attempts: Rc<RefCell<Vec<(String, std::time::Instant)>>> = Rc::default();
@@ -181,10 +194,9 @@ fn a_failed_message_is_redelivered_after_the_negative_ack_delay() {
     });
 }
 
-#[test]
-fn with_a_slow_handler_the_backlog_stays_on_the_broker() {
+fn with_a_slow_handler_the_backlog_stays_on_the_broker(kind: TopicKind) {
     run_local(Duration::from_secs(60), async {
-        let topic = unique_topic("backpressure");
+        let topic = fresh_topic("backpressure", kind);
         let subscription = unique_name("sub");
         let dispatcher = Rc::new(
             Dispatcher::builder()
@@ -217,9 +229,11 @@ fn with_a_slow_handler_the_backlog_stays_on_the_broker() {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let stats = wait_for_stats(&topic, &subscription, Duration::ZERO, |_| true).await;
         assert_eq!(stats.msg_backlog, 50, "nothing acked yet");
+        // Each partition has its own consumer, and so its own receiver queue.
+        let consumers = u64::from(kind.partitions().max(1));
         assert!(
-            stats.msg_out_counter <= 6,
-            "the broker dispatched {} of 50 messages to a consumer whose handler is stuck",
+            stats.msg_out_counter <= 6 * consumers,
+            "the broker dispatched {} of 50 messages to {consumers} consumer(s) whose handler is stuck",
             stats.msg_out_counter
         );
         released.set(true);
@@ -233,10 +247,9 @@ fn with_a_slow_handler_the_backlog_stays_on_the_broker() {
     });
 }
 
-#[test]
-fn shutdown_under_load_loses_nothing() {
+fn shutdown_under_load_loses_nothing(kind: TopicKind) {
     run_local(Duration::from_secs(120), async {
-        let topic = unique_topic("shutdown");
+        let topic = fresh_topic("shutdown", kind);
         let subscription = unique_name("sub");
         let total = 200;
         produce(&topic, (0..total).map(|n| n.to_string())).await;
@@ -315,10 +328,9 @@ fn shutdown_under_load_loses_nothing() {
 /// Pulsar acknowledges a batch as one entry: acking any of its messages
 /// would ack them all. Messages of a batch whose batch-mate is still being
 /// handled must stay unacknowledged on the broker.
-#[test]
-fn a_batch_is_acked_only_once_every_message_in_it_succeeded() {
+fn a_batch_is_acked_only_once_every_message_in_it_succeeded(kind: TopicKind) {
     run_local(Duration::from_secs(90), async {
-        let topic = unique_topic("batch");
+        let topic = fresh_topic("batch", kind);
         let subscription = unique_name("sub");
         let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
         let release = Rc::new(Notify::new());

@@ -1,7 +1,7 @@
 //! One dispatcher per core against a real broker: two dispatchers, each on
 //! its own thread with its own runtime and connection, share a Shared
 //! subscription; every message is processed, none twice, and one shutdown
-//! closes both.
+//! closes both; on a plain topic and on a partitioned one.
 
 mod common;
 
@@ -23,10 +23,13 @@ fn options(subscription: &str) -> SubscribeOptions {
         .subscription_type(SubType::Shared)
 }
 
-#[test]
-fn two_dispatchers_share_a_subscription_and_process_every_message_once() {
+on_plain_and_partitioned_topics!(
+    two_dispatchers_share_a_subscription_and_process_every_message_once
+);
+
+fn two_dispatchers_share_a_subscription_and_process_every_message_once(kind: common::TopicKind) {
     let url = common::pulsar_url();
-    let topic = common::unique_topic("per-core");
+    let topic = common::fresh_topic("per-core", kind);
     let subscription = common::unique_name("per-core-sub");
     let seen: Seen = Arc::default();
 

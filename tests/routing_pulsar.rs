@@ -4,14 +4,22 @@
 
 mod common;
 
+on_plain_and_partitioned_topics!(
+    a_fatal_error_lands_in_the_dead_letter_topic_intact,
+    retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic,
+    a_reply_is_published_before_the_original_is_acked,
+    a_topic_family_subscribes_the_documented_topics_and_priorities,
+    a_retried_message_carries_the_java_retry_letter_properties_for_python,
+);
+
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use common::{
-    client, pulsar_url, run_interop, run_local, start, topic_stats, unique_name, unique_topic,
-    wait_for_stats, wait_until,
+    base_topic, client, create_partitioned_topic, fresh_topic, is_topic_or_partition, pulsar_url,
+    run_interop, run_local, start, topic_stats, unique_name, wait_for_stats, wait_until, TopicKind,
 };
 use futures::StreamExt;
 use pulsar::consumer::InitialPosition;
@@ -103,10 +111,33 @@ async fn publish_order(topic: &str, payload: &str) {
         .unwrap();
 }
 
-#[test]
-fn a_fatal_error_lands_in_the_dead_letter_topic_intact() {
+/// The partition index Pulsar's clients print in message ids: `-1` for a
+/// topic that is not partitioned.
+fn partition_index(topic: &str) -> String {
+    match topic.rsplit_once("-partition-") {
+        Some((_, index)) => index.to_owned(),
+        None => "-1".to_owned(),
+    }
+}
+
+/// REAL_TOPIC names the topic, or for a partitioned topic the partition,
+/// the message was consumed from (as Pulsar's Java client does), and
+/// ORIGIN_MESSAGE_ID is `ledger:entry:partition` with that partition.
+fn assert_origin(props: &BTreeMap<String, String>, topic: &str, kind: TopicKind) {
+    let real_topic = &props["REAL_TOPIC"];
+    assert!(
+        is_topic_or_partition(real_topic, topic, kind),
+        "REAL_TOPIC {real_topic} is not {topic} or one of its partitions"
+    );
+    let origin: Vec<&str> = props["ORIGIN_MESSAGE_ID"].split(':').collect();
+    assert_eq!(origin.len(), 3, "ledger:entry:partition, got {origin:?}");
+    assert!(origin.iter().all(|part| part.parse::<i64>().is_ok()));
+    assert_eq!(origin[2], partition_index(real_topic), "{origin:?}");
+}
+
+fn a_fatal_error_lands_in_the_dead_letter_topic_intact(kind: TopicKind) {
     run_local(Duration::from_secs(90), async {
-        let topic = unique_topic("fatal");
+        let topic = fresh_topic("fatal", kind);
         let subscription = unique_name("orders-sub");
         let dead_letter_topic = format!("{topic}-{subscription}-DLQ");
         let mut dead_letters = reader(&dead_letter_topic).await;
@@ -128,10 +159,7 @@ fn a_fatal_error_lands_in_the_dead_letter_topic_intact() {
         assert_eq!(dead.metadata().event_time, Some(1_700_000_000_000));
         let props = properties(&dead);
         assert_eq!(props["order"], "17");
-        assert_eq!(props["REAL_TOPIC"], topic);
-        let origin: Vec<&str> = props["ORIGIN_MESSAGE_ID"].split(':').collect();
-        assert_eq!(origin.len(), 3, "ledger:entry:partition, got {origin:?}");
-        assert!(origin.iter().all(|part| part.parse::<i64>().is_ok()));
+        assert_origin(&props, &topic, kind);
         let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
             s.msg_backlog == 0
         })
@@ -142,10 +170,9 @@ fn a_fatal_error_lands_in_the_dead_letter_topic_intact() {
     });
 }
 
-#[test]
-fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic() {
+fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic(kind: TopicKind) {
     run_local(Duration::from_secs(120), async {
-        let topic = unique_topic("orders");
+        let topic = fresh_topic("orders", kind);
         let retry_topic = format!("{topic}-retry");
         let subscription = unique_name("orders-sub");
         let dead_letter_topic = format!("{topic}-{subscription}-DLQ");
@@ -164,7 +191,7 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic()
             let handler = async move |message: &Message| {
                 attempts.borrow_mut().push((
                     Instant::now(),
-                    message.topic().to_owned(),
+                    base_topic(message.topic()).to_owned(),
                     message.property("RECONSUMETIMES").map(str::to_owned),
                 ));
                 fail_as_told(message).await
@@ -180,7 +207,7 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic()
         let dead = next_message(&mut dead_letters, "dead letter after two retries").await;
         let props = properties(&dead);
         assert_eq!(props["RECONSUMETIMES"], "2");
-        assert_eq!(props["REAL_TOPIC"], topic);
+        assert_origin(&props, &topic, kind);
         assert_eq!(props["DEAD_LETTER_TOPIC"], dead_letter_topic);
         assert_eq!(dead.payload.data, b"unavailable");
 
@@ -207,11 +234,10 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic()
     });
 }
 
-#[test]
-fn a_reply_is_published_before_the_original_is_acked() {
+fn a_reply_is_published_before_the_original_is_acked(kind: TopicKind) {
     run_local(Duration::from_secs(60), async {
-        let topic = unique_topic("images");
-        let reply_topic = unique_topic("thumbnails");
+        let topic = fresh_topic("images", kind);
+        let reply_topic = fresh_topic("thumbnails", kind);
         let subscription = unique_name("resizer");
         let mut replies = reader(&reply_topic).await;
         let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
@@ -246,8 +272,7 @@ priorities! {
     enum Lane { High = 10, Low = 20, Retry = 50 }
 }
 
-#[test]
-fn a_topic_family_subscribes_the_documented_topics_and_priorities() {
+fn a_topic_family_subscribes_the_documented_topics_and_priorities(kind: TopicKind) {
     run_local(Duration::from_secs(90), async {
         let prefix = unique_name("orders").replace('-', "");
         let subscription = unique_name("orders-sub");
@@ -261,6 +286,11 @@ fn a_topic_family_subscribes_the_documented_topics_and_priorities() {
         let handled: Rc<RefCell<Vec<String>>> = Rc::default();
         let record = handled.clone();
         let family = TopicFamily::<Level, Lane>::new(&prefix).retry_sublevel(Lane::Retry);
+        if let TopicKind::Partitioned(partitions) = kind {
+            for member in family.topics().unwrap() {
+                create_partitioned_topic(&member.name, partitions);
+            }
+        }
         dispatcher
             .subscribe_family(
                 &family,
@@ -312,10 +342,9 @@ fn a_topic_family_subscribes_the_documented_topics_and_priorities() {
     });
 }
 
-#[test]
-fn a_retried_message_carries_the_java_retry_letter_properties_for_python() {
+fn a_retried_message_carries_the_java_retry_letter_properties_for_python(kind: TopicKind) {
     run_local(Duration::from_secs(90), async {
-        let topic = unique_topic("interop-retry");
+        let topic = fresh_topic("interop-retry", kind);
         let retry_topic = format!("{topic}-retry");
         let subscription = unique_name("orders-sub");
         // Another service (here, Python) consumes the retry topic.
@@ -361,7 +390,11 @@ fn a_retried_message_carries_the_java_retry_letter_properties_for_python() {
         assert_eq!(message["partition_key"], "customer-3");
         let props = &message["properties"];
         assert_eq!(props["RECONSUMETIMES"], "1");
-        assert_eq!(props["REAL_TOPIC"], topic.as_str());
+        assert!(
+            is_topic_or_partition(props["REAL_TOPIC"].as_str().unwrap(), &topic, kind),
+            "REAL_TOPIC {} is not {topic} or one of its partitions",
+            props["REAL_TOPIC"]
+        );
         assert_eq!(props["DELAY_TIME"], "1000");
         assert_eq!(props["order"], "17");
         assert_eq!(
@@ -370,5 +403,10 @@ fn a_retried_message_carries_the_java_retry_letter_properties_for_python() {
         );
         let origin = props["ORIGIN_MESSAGE_ID"].as_str().unwrap();
         assert_eq!(origin.split(':').count(), 3, "{origin}");
+        assert_eq!(
+            origin.rsplit(':').next(),
+            Some(partition_index(props["REAL_TOPIC"].as_str().unwrap()).as_str()),
+            "ORIGIN_MESSAGE_ID {origin} names the partition the message came from"
+        );
     });
 }

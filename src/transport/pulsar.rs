@@ -21,6 +21,9 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use std::future::poll_fn;
+use std::task::{Context, Poll};
+
 use futures::{FutureExt, StreamExt};
 use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
@@ -65,19 +68,18 @@ impl PulsarTransport {
     }
 }
 
-impl Transport for PulsarTransport {
-    type Consumer = PulsarConsumer;
-    type Producer = PulsarProducer;
-
-    async fn subscribe(
+impl PulsarTransport {
+    /// One partition's consumer (or the whole topic's, when it is not
+    /// partitioned).
+    async fn partition_consumer(
         &self,
+        client: &Pulsar<TokioExecutor>,
         topic: &str,
         options: &SubscribeOptions,
-    ) -> Result<PulsarConsumer, TransportError> {
+    ) -> Result<pulsar::Consumer<Vec<u8>, TokioExecutor>, TransportError> {
         let mut consumer_options = options.consumer_options.clone();
         consumer_options.receiver_queue_size = Some(options.receiver_queue_size);
-        let mut builder = self
-            .open_client()?
+        let mut builder = client
             .consumer()
             .with_topic(topic)
             .with_subscription_type(options.subscription_type)
@@ -93,16 +95,67 @@ impl Transport for PulsarTransport {
         if let Some(policy) = &options.dead_letter_policy {
             builder = builder.with_dead_letter_policy(policy.clone());
         }
-        let mut consumer = builder.build().await?;
-        if let Ok(urls) = consumer.connections().await {
-            for url in urls {
-                self.brokers.add(url.host_str(), url.port()).await;
+        let consumer = builder.build().await?;
+        // The broker's address comes from a lookup through the client, not
+        // from the consumer: asking the consumer's engine would wait behind
+        // messages it cannot hand over until somebody receives them.
+        if let Ok(broker) = client.lookup_topic(topic).await {
+            self.brokers
+                .add(broker.url.host_str(), broker.url.port())
+                .await;
+        }
+        Ok(consumer)
+    }
+}
+
+impl Transport for PulsarTransport {
+    type Consumer = PulsarConsumer;
+    type Producer = PulsarProducer;
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: &SubscribeOptions,
+    ) -> Result<PulsarConsumer, TransportError> {
+        let client = self.open_client()?;
+        // A partitioned topic gets one consumer per partition, so that each
+        // message is settled on the partition it came from and each
+        // partition can be drained and closed on its own.
+        let partition_count = client.lookup_partitioned_topic_number(topic).await?;
+        let names: Vec<String> = match partition_count {
+            0 => vec![topic.to_owned()],
+            n => (0..n).map(|i| format!("{topic}-partition-{i}")).collect(),
+        };
+        let built = futures::future::join_all(
+            names
+                .iter()
+                .map(|name| self.partition_consumer(&client, name, options)),
+        )
+        .await;
+        let mut partitions = Vec::with_capacity(built.len());
+        let mut failure = None;
+        for (name, result) in names.into_iter().zip(built) {
+            match result {
+                Ok(consumer) => partitions.push(Partition {
+                    consumer,
+                    topic: Rc::from(name),
+                }),
+                Err(error) => failure = failure.or(Some(error)),
             }
+        }
+        if let Some(error) = failure {
+            // The partitions that did subscribe are closed again: a failed
+            // subscribe leaves nothing behind.
+            if let Err(close_error) = close_partitions(&mut partitions).await {
+                tracing::warn!(%topic, error = %close_error, "closing the partitions of a failed subscribe failed");
+            }
+            return Err(error);
         }
         self.brokers.disable_nagle();
         Ok(PulsarConsumer {
-            consumer,
-            topic: Rc::from(topic),
+            partitioned: partition_count > 0,
+            partitions,
+            next_partition: 0,
             batches: BatchSettlements::default(),
             brokers: self.brokers.clone(),
         })
@@ -128,12 +181,23 @@ impl Transport for PulsarTransport {
     }
 }
 
-/// A consumer of the Pulsar transport.
+/// A consumer of the Pulsar transport: one `pulsar` crate consumer per
+/// partition of a partitioned topic, or one for a topic that is not.
 pub struct PulsarConsumer {
-    consumer: pulsar::Consumer<Vec<u8>, TokioExecutor>,
-    topic: Rc<str>,
+    /// Indexed by partition number.
+    partitions: Vec<Partition>,
+    partitioned: bool,
+    /// Where the next receive starts looking, so that partitions take turns.
+    next_partition: usize,
     batches: BatchSettlements,
     brokers: Rc<BrokerSockets>,
+}
+
+/// One partition (or a whole non-partitioned topic) and its consumer.
+struct Partition {
+    consumer: pulsar::Consumer<Vec<u8>, TokioExecutor>,
+    /// The partition's own topic name, shared by every message from it.
+    topic: Rc<str>,
 }
 
 /// The broker addresses this transport talks to, and when their sockets
@@ -146,6 +210,10 @@ struct BrokerSockets {
 
 /// How long closing a consumer may take before the consumer is dropped.
 const CONSUMER_CLOSE_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long one attempt to reach a consumer's engine waits before the
+/// consumer's message channel is emptied again.
+const ENGINE_ROUND_TRIP_ATTEMPT: Duration = Duration::from_millis(200);
 
 /// How often a consumer that is receiving looks again, so that a connection
 /// the crate re-establishes after a failure also gets Nagle's algorithm off.
@@ -181,16 +249,40 @@ impl BrokerSockets {
 }
 
 impl PulsarConsumer {
-    fn convert(&self, received: pulsar::consumer::Message<Vec<u8>>) -> Message {
+    /// The next message of any partition, trying each in turn from where the
+    /// last receive stopped.
+    fn poll_partitions(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Message, TransportError>>> {
+        let count = self.partitions.len();
+        for step in 0..count {
+            let index = (self.next_partition + step) % count;
+            match self.partitions[index].consumer.poll_next_unpin(cx) {
+                Poll::Pending => continue,
+                // One partition's stream ending ends the consumer: the
+                // dispatcher reports it rather than carry on with part of
+                // the topic.
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error.into()))),
+                Poll::Ready(Some(Ok(received))) => {
+                    self.next_partition = (index + 1) % count;
+                    return Poll::Ready(Some(Ok(self.convert(index, received))));
+                }
+            }
+        }
+        Poll::Pending
+    }
+
+    fn convert(&self, partition: usize, received: pulsar::consumer::Message<Vec<u8>>) -> Message {
         let pulsar::Payload { metadata, data } = received.payload;
-        // Partitions of a partitioned topic report their own name.
-        let topic = if received.topic == *self.topic {
-            self.topic.clone()
-        } else {
-            Rc::from(received.topic)
-        };
         let mut id = received.message_id.id;
         id.batch_size = id.batch_size.or(received.message_id.batch_size);
+        if self.partitioned {
+            // The partition is also what settlement goes by.
+            id.partition = Some(partition as i32);
+        }
+        let topic = self.partitions[partition].topic.clone();
         let mut message = Message::new(topic, MessageId(id), data);
         message.properties = metadata
             .properties
@@ -203,18 +295,35 @@ impl PulsarConsumer {
         message.publish_time = metadata.publish_time;
         message
     }
-}
 
-impl PulsarConsumer {
+    /// The partition a message id belongs to.
+    fn partition_of(&mut self, id: &MessageId) -> Result<&mut Partition, TransportError> {
+        let index = if self.partitioned {
+            usize::try_from(id.partition()).ok()
+        } else {
+            Some(0)
+        };
+        let count = self.partitions.len();
+        index
+            .and_then(|index| self.partitions.get_mut(index))
+            .ok_or_else(|| {
+                TransportError::Pulsar(pulsar::Error::Custom(format!(
+                    "message {id} names partition {} of a topic with {count}",
+                    id.partition()
+                )))
+            })
+    }
+
     async fn settle(&mut self, id: MessageId, succeeded: bool) -> Result<(), TransportError> {
         let Some(succeeded) = self.batches.settle(&id, succeeded) else {
             return Ok(());
         };
-        let topic = &self.topic;
+        let partition = self.partition_of(&id)?;
+        let topic = &partition.topic;
         let sent = if succeeded {
-            self.consumer.ack_with_id(topic, id.0).await
+            partition.consumer.ack_with_id(topic, id.0).await
         } else {
-            self.consumer.nack_with_id(topic, id.0).await
+            partition.consumer.nack_with_id(topic, id.0).await
         };
         sent.map_err(|e| TransportError::Pulsar(e.into()))
     }
@@ -267,14 +376,10 @@ impl BatchSettlements {
 
 impl Consumer for PulsarConsumer {
     async fn receive(&mut self) -> Option<Result<Message, TransportError>> {
-        // `Stream::next` is cancel-safe: the crate keeps undelivered messages
-        // in its own queue.
-        let received = self.consumer.next().await?;
+        // Cancel-safe: the crate keeps undelivered messages in its own queue.
+        let received = poll_fn(|cx| self.poll_partitions(cx)).await;
         self.brokers.recheck_if_due();
-        match received {
-            Ok(received) => Some(Ok(self.convert(received))),
-            Err(error) => Some(Err(error.into())),
-        }
+        received
     }
 
     async fn ack(&mut self, id: MessageId) -> Result<(), TransportError> {
@@ -286,23 +391,57 @@ impl Consumer for PulsarConsumer {
     }
 
     async fn close(&mut self) -> Result<(), TransportError> {
-        // The crate's engine hands messages over through a bounded channel
-        // and handles a close only between messages. With the reader no
-        // longer taking messages, a full channel would block the engine, and
-        // so this close, for good. Emptying the channel first leaves room for
-        // all the broker may still send before the close is handled; those
-        // messages were never handled, and the broker redelivers them.
-        while let Some(Some(_)) = self.consumer.next().now_or_never() {}
-        // The close is routed through the engine's queue behind every ack
-        // and nack sent earlier, so they reach the broker first.
-        match tokio::time::timeout(CONSUMER_CLOSE_LIMIT, self.consumer.close()).await {
-            Ok(closed) => Ok(closed?),
-            // Dropping the consumer still closes it on the broker (the
-            // crate's engine does so when it stops).
-            Err(_) => Err(TransportError::Pulsar(pulsar::Error::Custom(format!(
-                "closing the consumer took over {CONSUMER_CLOSE_LIMIT:?}"
-            )))),
-        }
+        close_partitions(&mut self.partitions).await
+    }
+}
+
+/// Closes every partition's consumer, all at once.
+async fn close_partitions(partitions: &mut [Partition]) -> Result<(), TransportError> {
+    let closed = futures::future::join_all(
+        partitions
+            .iter_mut()
+            .map(|p| close_consumer(&mut p.consumer)),
+    )
+    .await;
+    closed.into_iter().collect()
+}
+
+/// Closes one crate consumer once every ack and nack sent to it has been
+/// handed to its connection.
+///
+/// The crate's consumer engine handles messages from the broker, acks,
+/// nacks and requests in one queue, and hands messages over through a
+/// bounded channel: while the channel is full, the engine waits and
+/// everything queued behind the message waits with it. Nothing receives any
+/// more at this point, so the channel is emptied (those messages were never
+/// handled, and the broker redelivers them) before each attempt to reach the
+/// engine. A round trip through the engine's queue proves that the acks and
+/// nacks queued before it were passed on; then the consumer is closed. If
+/// the engine cannot be reached in time, the consumer is dropped, which also
+/// closes it on the broker once its engine stops.
+async fn close_consumer(
+    consumer: &mut pulsar::Consumer<Vec<u8>, TokioExecutor>,
+) -> Result<(), TransportError> {
+    let deadline = tokio::time::Instant::now() + CONSUMER_CLOSE_LIMIT;
+    let mut settled = false;
+    while !settled && tokio::time::Instant::now() < deadline {
+        while let Some(Some(_)) = consumer.next().now_or_never() {}
+        settled = tokio::time::timeout(ENGINE_ROUND_TRIP_ATTEMPT, consumer.connections())
+            .await
+            .is_ok_and(|reached| reached.is_ok());
+    }
+    let over_limit = || {
+        TransportError::Pulsar(pulsar::Error::Custom(format!(
+            "closing the consumer took over {CONSUMER_CLOSE_LIMIT:?}"
+        )))
+    };
+    if !settled {
+        return Err(over_limit());
+    }
+    while let Some(Some(_)) = consumer.next().now_or_never() {}
+    match tokio::time::timeout_at(deadline, consumer.close()).await {
+        Ok(closed) => Ok(closed?),
+        Err(_) => Err(over_limit()),
     }
 }
 

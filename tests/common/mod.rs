@@ -10,7 +10,7 @@
 #![allow(dead_code)]
 
 use std::future::Future;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -62,7 +62,7 @@ fn check_broker(service_url: &str) -> Result<(), String> {
     let service = authority(service_url);
     connect(&service, Duration::from_secs(3))
         .map_err(|e| format!("cannot connect to {service_url} (PULSAR_URL): {e}"))?;
-    let (status, body) = http_get("/admin/v2/brokers/health")
+    let (status, body) = admin_request("GET", "/admin/v2/brokers/health", None)
         .map_err(|e| format!("admin API at {} (PULSAR_WEB_URL): {e}", web_url()))?;
     if status != 200 {
         return Err(format!(
@@ -84,29 +84,39 @@ fn connect(authority: &str, timeout: Duration) -> std::io::Result<TcpStream> {
     Err(last)
 }
 
-/// `GET {web_url}{path}` over plain HTTP/1.0; returns status and body.
-pub fn http_get(path: &str) -> std::io::Result<(u16, String)> {
-    let web = web_url();
-    let host = authority(&web);
-    let timeout = Duration::from_secs(15);
-    let mut stream = connect(&host, timeout)?;
-    stream.set_read_timeout(Some(timeout))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.0\r\nHost: {host}\r\nAccept: application/json\r\n\r\n"
-    )?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response")
-        })?;
-    Ok((status, body.to_string()))
+/// `METHOD {web_url}{path}` with an optional JSON body; returns the status
+/// and the body, whatever the status.
+pub fn admin_request(
+    method: &str,
+    path: &str,
+    json_body: Option<&str>,
+) -> Result<(u16, String), ureq::Error> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(15)))
+        .build()
+        .into();
+    let url = format!("{}{path}", web_url());
+    let mut response = match (method, json_body) {
+        ("GET", _) => agent
+            .get(&url)
+            .header("Accept", "application/json")
+            .call()?,
+        ("PUT", Some(body)) => agent
+            .put(&url)
+            .header("Content-Type", "application/json")
+            .send(body)?,
+        ("PUT", None) => agent.put(&url).send_empty()?,
+        _ => panic!("admin_request: unsupported {method}"),
+    };
+    let status = response.status().as_u16();
+    let body = response.body_mut().read_to_string()?;
+    Ok((status, body))
+}
+
+/// `GET {web_url}{path}`; returns status and body.
+pub fn http_get(path: &str) -> Result<(u16, String), ureq::Error> {
+    admin_request("GET", path, None)
 }
 
 /// A name no other test run has used: `<prefix>-<time>-<pid>-<counter>`.
@@ -134,13 +144,104 @@ fn topic_path(topic: &str) -> String {
     }
 }
 
-/// The topic's stats JSON from the admin API
-/// (`GET {web}/admin/v2/persistent/<tenant>/<ns>/<topic>/stats`).
+/// The kind of topic a test runs on. Topics are created on first use as
+/// non-partitioned ones; a partitioned topic is created through the admin
+/// API first, as operators do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopicKind {
+    Plain,
+    Partitioned(u32),
+}
+
+impl TopicKind {
+    /// The number of partitions, 0 for a plain topic.
+    pub fn partitions(self) -> u32 {
+        match self {
+            TopicKind::Plain => 0,
+            TopicKind::Partitioned(n) => n,
+        }
+    }
+}
+
+/// A fresh topic of `kind` (see [`unique_topic`]).
+pub fn fresh_topic(prefix: &str, kind: TopicKind) -> String {
+    let topic = unique_topic(prefix);
+    if let TopicKind::Partitioned(partitions) = kind {
+        create_partitioned_topic(&topic, partitions);
+    }
+    topic
+}
+
+/// Creates `topic` with `partitions` partitions through the admin API.
+pub fn create_partitioned_topic(topic: &str, partitions: u32) {
+    let path = format!("/admin/v2/persistent/{}/partitions", topic_path(topic));
+    let (status, body) = admin_request("PUT", &path, Some(&partitions.to_string()))
+        .unwrap_or_else(|e| panic!("PUT {}{path}: {e}", web_url()));
+    assert!(
+        (200..300).contains(&status),
+        "creating {topic} with {partitions} partitions: HTTP {status}: {body}"
+    );
+}
+
+/// How many partitions the broker says `topic` has (0: not partitioned).
+pub fn partition_count(topic: &str) -> u64 {
+    let path = format!("/admin/v2/persistent/{}/partitions", topic_path(topic));
+    let (status, body) = http_get(&path).unwrap_or_else(|e| panic!("GET {}{path}: {e}", web_url()));
+    assert_eq!(status, 200, "GET {}{path}: {body}", web_url());
+    let metadata: serde_json::Value = serde_json::from_str(&body).expect("partition metadata JSON");
+    metadata["partitions"].as_u64().unwrap_or(0)
+}
+
+/// The base topic of a partition name (`t` for `t-partition-2`), or the
+/// name itself.
+pub fn base_topic(name: &str) -> &str {
+    match name.rsplit_once("-partition-") {
+        Some((base, index)) if index.parse::<u32>().is_ok() => base,
+        _ => name,
+    }
+}
+
+/// Whether `name` is `topic` itself or, for a partitioned topic, one of its
+/// partitions.
+pub fn is_topic_or_partition(name: &str, topic: &str, kind: TopicKind) -> bool {
+    match kind {
+        TopicKind::Plain => name == topic,
+        TopicKind::Partitioned(_) => base_topic(name) == topic && name != topic,
+    }
+}
+
+/// The topic's stats JSON from the admin API: `.../stats`, or for a
+/// partitioned topic `.../partitioned-stats`, which adds its partitions up.
 pub fn topic_stats(topic: &str) -> serde_json::Value {
-    let path = format!("/admin/v2/persistent/{}/stats", topic_path(topic));
+    let which = if partition_count(topic) > 0 {
+        "partitioned-stats"
+    } else {
+        "stats"
+    };
+    let path = format!("/admin/v2/persistent/{}/{which}", topic_path(topic));
     let (status, body) = http_get(&path).unwrap_or_else(|e| panic!("GET {}{path}: {e}", web_url()));
     assert_eq!(status, 200, "GET {}{path}: {body}", web_url());
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("stats of {topic} are not JSON: {e}"))
+}
+
+/// Runs each named test body (a `fn(TopicKind)`) on a plain topic and on a
+/// topic of three partitions, as `<name>::plain` and `<name>::partitioned`.
+#[macro_export]
+macro_rules! on_plain_and_partitioned_topics {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn plain() {
+                    super::$name($crate::common::TopicKind::Plain)
+                }
+                #[test]
+                fn partitioned() {
+                    super::$name($crate::common::TopicKind::Partitioned(3))
+                }
+            }
+        )*
+    };
 }
 
 /// Counters of one subscription, as the broker reports them.
