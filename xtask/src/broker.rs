@@ -105,6 +105,105 @@ pub fn version(addr: &BrokerAddr) -> Option<String> {
     (resp.status == 200).then(|| resp.body.trim().trim_matches('"').to_string())
 }
 
+/// Creates the partitioned topic `topic` with `partitions` partitions through
+/// the admin API at `web`. `topic` is `name` (in `public/default`),
+/// `tenant/namespace/name` or `persistent://tenant/namespace/name`. A topic
+/// that already exists (HTTP 409) is fine if it has that many partitions.
+// Used by `cargo xtask demo` once it sets up the demo's topics itself.
+#[allow(dead_code)]
+pub fn create_partitioned_topic(
+    web: &Endpoint,
+    topic: &str,
+    partitions: u32,
+) -> Result<(), String> {
+    if partitions == 0 {
+        return Err(format!(
+            "topic `{topic}`: a partitioned topic needs at least one partition"
+        ));
+    }
+    let path = format!("/admin/v2/persistent/{}/partitions", topic_path(topic)?);
+    let url = format!("{}{path}", web.base_url());
+    let timeout = Duration::from_secs(15);
+    let resp = http::request(web, "PUT", &path, Some(&partitions.to_string()), timeout)
+        .map_err(|e| format!("PUT {url}: {e}"))?;
+    match resp.status {
+        200..=299 => Ok(()),
+        409 => {
+            let existing = http::get(web, &path, timeout).map_err(|e| format!("GET {url}: {e}"))?;
+            let found = (existing.status == 200)
+                .then(|| json_u64_field(&existing.body, "partitions"))
+                .flatten();
+            match found {
+                Some(n) if n == u64::from(partitions) => Ok(()),
+                Some(n) => Err(format!(
+                    "topic `{topic}` already exists with {n} partitions, not {partitions} \
+                     (PUT {url}: HTTP 409 {})",
+                    resp.body.trim()
+                )),
+                None => Err(format!(
+                    "topic `{topic}` already exists (PUT {url}: HTTP 409 {}), and \
+                     GET {url} answered HTTP {} {}",
+                    resp.body.trim(),
+                    existing.status,
+                    existing.body.trim()
+                )),
+            }
+        }
+        status => Err(format!("PUT {url}: HTTP {status} {}", resp.body.trim())),
+    }
+}
+
+/// `tenant/namespace/name` of a persistent topic name in any of the forms
+/// Pulsar accepts: `name`, `tenant/namespace/name`, `persistent://...`.
+fn topic_path(topic: &str) -> Result<String, String> {
+    let rest = match topic.split_once("://") {
+        Some(("persistent", rest)) => rest,
+        Some(_) => {
+            return Err(format!(
+                "topic `{topic}`: only persistent:// topics can be created here"
+            ))
+        }
+        None => topic,
+    };
+    let parts: Vec<&str> = rest.split('/').collect();
+    let parts = match parts.as_slice() {
+        [name] => vec!["public", "default", name],
+        [_, _, _] => parts,
+        _ => {
+            return Err(format!(
+                "topic `{topic}`: expected `name`, `tenant/namespace/name` or \
+                 `persistent://tenant/namespace/name`"
+            ))
+        }
+    };
+    let valid = |part: &str| {
+        !part.is_empty()
+            && part
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_=:.".contains(c))
+    };
+    if let Some(bad) = parts.iter().find(|p| !valid(p)) {
+        return Err(format!(
+            "topic `{topic}`: `{bad}` is empty or has characters other than \
+             letters, digits and `-_=:.`"
+        ));
+    }
+    Ok(parts.join("/"))
+}
+
+/// The unsigned integer value of the top-level-looking field `"name"` in a
+/// small JSON object such as `{"partitions":3}` (enough for the admin API's
+/// answers without a JSON library).
+fn json_u64_field(json: &str, name: &str) -> Option<u64> {
+    let key = format!("\"{name}\"");
+    let after = &json[json.find(&key)? + key.len()..];
+    let value = after.trim_start().strip_prefix(':')?.trim_start();
+    let digits = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    value[..digits].parse().ok()
+}
+
 /// A broker process that this xtask invocation started. Dropping it stops
 /// the broker, so that `cargo xtask test` cleans up on every exit path,
 /// panics included; [`StartedBroker::detach`] leaves it running.
@@ -312,6 +411,7 @@ fn wait_until_ready(
                     &addr.web,
                     "PUT",
                     "/admin/v2/namespaces/public/default",
+                    None,
                     Duration::from_secs(10),
                 );
             }
@@ -586,5 +686,69 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
             all[all.len().saturating_sub(lines)..].join("\n")
         }
         Err(e) => format!("(cannot read {}: {e})", path.display()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_names_map_to_admin_paths() {
+        assert_eq!(topic_path("orders").unwrap(), "public/default/orders");
+        assert_eq!(topic_path("acme/shop/orders").unwrap(), "acme/shop/orders");
+        assert_eq!(
+            topic_path("persistent://public/default/orders").unwrap(),
+            "public/default/orders"
+        );
+        assert!(topic_path("non-persistent://public/default/orders").is_err());
+        assert!(topic_path("persistent://public/orders").is_err());
+        assert!(topic_path("a/b/c/d").is_err());
+        assert!(topic_path("public//orders").is_err());
+        assert!(topic_path("").is_err());
+        assert!(topic_path("my orders").is_err());
+        assert!(topic_path("orders?x=1").is_err());
+    }
+
+    #[test]
+    fn reads_partition_count() {
+        assert_eq!(json_u64_field(r#"{"partitions":3}"#, "partitions"), Some(3));
+        assert_eq!(
+            json_u64_field(
+                r#"{ "partitions" : 12, "deleted": false, "properties": {} }"#,
+                "partitions"
+            ),
+            Some(12)
+        );
+        assert_eq!(json_u64_field(r#"{"partitions":0}"#, "partitions"), Some(0));
+        assert_eq!(json_u64_field(r#"{"other":3}"#, "partitions"), None);
+        assert_eq!(json_u64_field("not json", "partitions"), None);
+    }
+
+    /// Against the broker at PULSAR_WEB_URL (default http://127.0.0.1:8080):
+    /// `cargo test -p xtask -- --ignored`.
+    #[test]
+    #[ignore = "needs a running Pulsar broker"]
+    fn creates_partitioned_topics_on_a_broker() {
+        let addr = BrokerAddr::from_env().unwrap();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let topic = format!("xtask-create-partitioned-{nanos}");
+        create_partitioned_topic(&addr.web, &topic, 3).unwrap();
+        // Again with the same count (HTTP 409 from the broker): fine.
+        create_partitioned_topic(
+            &addr.web,
+            &format!("persistent://public/default/{topic}"),
+            3,
+        )
+        .unwrap();
+        let err = create_partitioned_topic(&addr.web, &topic, 4).unwrap_err();
+        assert!(err.contains("already exists with 3 partitions"), "{err}");
+        let err = create_partitioned_topic(&addr.web, "no-such-tenant/ns/t", 1).unwrap_err();
+        assert!(err.contains("HTTP 4"), "{err}");
+        let path = format!("/admin/v2/persistent/public/default/{topic}/partitions");
+        let _ = http::request(&addr.web, "DELETE", &path, None, Duration::from_secs(15));
     }
 }

@@ -1,9 +1,12 @@
-//! Just enough HTTP/1.0 over `std::net::TcpStream` to talk to the broker's
-//! admin REST API (health checks, namespace and lookup probes).
+//! Requests to the broker's admin REST API (health checks, namespace and
+//! lookup probes, topic creation) through `ureq`, the HTTP client the
+//! integration tests use too, plus the parsing of broker addresses.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
+
+use ureq::http::Request;
 
 /// A parsed `scheme://host:port/...` address.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -68,6 +71,13 @@ impl Endpoint {
         }
     }
 
+    /// `http://host:port`, the base that request paths are appended to.
+    /// (Whatever scheme and path the configured URL had: requests go over
+    /// plain HTTP to its host and port, as `ureq` is built without TLS.)
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.host_for_socket())
+    }
+
     /// Opens a TCP connection with a connect timeout.
     pub fn connect(&self, timeout: Duration) -> io::Result<TcpStream> {
         let mut last = io::Error::new(io::ErrorKind::NotFound, "host resolved to no address");
@@ -88,51 +98,151 @@ pub struct Response {
     pub body: String,
 }
 
-/// Sends one HTTP/1.0 request (the server closes the connection after the
-/// response, so the body is simply everything after the headers).
+/// Sends one request to `{endpoint}{path}` with an `Accept: application/json`
+/// header and, when given, a JSON body; `PUT`, `POST` and `PATCH` without one
+/// send an empty body (`Content-Length: 0`). `timeout` bounds the whole
+/// exchange, connecting included. A response of any status (redirects too:
+/// none is followed) is returned with its body; only transport failures are
+/// errors. No proxy is used, whatever the environment says.
 pub fn request(
     endpoint: &Endpoint,
     method: &str,
     path: &str,
+    json_body: Option<&str>,
     timeout: Duration,
-) -> io::Result<Response> {
-    let mut stream = endpoint.connect(timeout)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {}\r\nAccept: application/json\r\n\
-         Content-Length: 0\r\nConnection: close\r\n\r\n",
-        endpoint.host_for_socket()
-    );
-    stream.write_all(req.as_bytes())?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .lines()
-        .next()
-        .and_then(|line| line.split_whitespace().nth(1))
-        .and_then(|code| code.parse().ok())
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("not an HTTP response: {:?}", head.lines().next()),
-            )
-        })?;
+) -> Result<Response, ureq::Error> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .max_redirects(0)
+        .proxy(None)
+        .timeout_global(Some(timeout))
+        .build()
+        .into();
+    let needs_body = matches!(method, "PUT" | "POST" | "PATCH");
+    let builder = Request::builder()
+        .method(method)
+        .uri(format!("{}{path}", endpoint.base_url()))
+        .header("Accept", "application/json");
+    let mut response = match json_body {
+        Some(body) => agent.run(
+            builder
+                .header("Content-Type", "application/json")
+                .body(body)?,
+        )?,
+        None if needs_body => agent.run(builder.body(&[][..])?)?,
+        None => agent.run(builder.body(())?)?,
+    };
+    let status = response.status().as_u16();
+    let body = response.body_mut().read_to_vec()?;
     Ok(Response {
         status,
-        body: body.to_string(),
+        body: String::from_utf8_lossy(&body).into_owned(),
     })
 }
 
-pub fn get(endpoint: &Endpoint, path: &str, timeout: Duration) -> io::Result<Response> {
-    request(endpoint, "GET", path, timeout)
+pub fn get(endpoint: &Endpoint, path: &str, timeout: Duration) -> Result<Response, ureq::Error> {
+    request(endpoint, "GET", path, None, timeout)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Endpoint;
+    use super::{request, Endpoint};
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpListener;
+    use std::time::Duration;
+
+    /// Sends one request to a one-shot local server that answers
+    /// `answer`; returns what the server received (the head lower-cased,
+    /// then the body) and the client's result.
+    fn exchange(
+        method: &str,
+        json_body: Option<&str>,
+        answer: &'static str,
+    ) -> (String, super::Response) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut reader = BufReader::new(stream);
+            let mut seen = String::new();
+            let mut length = 0;
+            loop {
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                let line = line.to_ascii_lowercase();
+                if let Some(n) = line.strip_prefix("content-length:") {
+                    length = n.trim().parse().unwrap();
+                }
+                seen.push_str(&line);
+                if line == "\r\n" {
+                    break;
+                }
+            }
+            let mut body = vec![0; length];
+            std::io::Read::read_exact(&mut reader, &mut body).unwrap();
+            seen.push_str(&String::from_utf8(body).unwrap());
+            reader.get_mut().write_all(answer.as_bytes()).unwrap();
+            seen
+        });
+        let endpoint = Endpoint::parse(&format!("http://127.0.0.1:{port}"), 80).unwrap();
+        let resp = request(
+            &endpoint,
+            method,
+            "/admin/x",
+            json_body,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        (server.join().unwrap(), resp)
+    }
+
+    #[test]
+    fn returns_any_status_and_sends_bodies() {
+        let (seen, resp) = exchange(
+            "PUT",
+            None,
+            "HTTP/1.1 409 Conflict\r\nContent-Length: 7\r\nConnection: close\r\n\r\nexists!",
+        );
+        assert!(seen.starts_with("put /admin/x http/1.1\r\n"), "{seen}");
+        assert!(seen.contains("content-length: 0\r\n"), "{seen}");
+        assert!(seen.contains("accept: application/json\r\n"), "{seen}");
+        assert_eq!((resp.status, resp.body.as_str()), (409, "exists!"));
+
+        let (seen, resp) = exchange(
+            "PUT",
+            Some("3"),
+            "HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n",
+        );
+        assert!(
+            seen.contains("content-type: application/json\r\n"),
+            "{seen}"
+        );
+        assert!(seen.ends_with("\r\n\r\n3"), "{seen}");
+        assert_eq!((resp.status, resp.body.as_str()), (204, ""));
+
+        // Not followed: the redirect itself is the answer.
+        let (seen, resp) = exchange(
+            "GET",
+            None,
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:1/\r\n\
+             Content-Length: 0\r\nConnection: close\r\n\r\n",
+        );
+        assert!(seen.starts_with("get /admin/x http/1.1\r\n"), "{seen}");
+        assert!(!seen.contains("content-length"), "{seen}");
+        assert_eq!(resp.status, 307);
+    }
+
+    #[test]
+    fn transport_failures_are_errors() {
+        // A port that was free a moment ago: nothing listens there.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let endpoint = Endpoint::parse(&format!("http://127.0.0.1:{port}"), 80).unwrap();
+        assert!(request(&endpoint, "GET", "/", None, Duration::from_secs(5)).is_err());
+    }
 
     #[test]
     fn parses_service_and_web_urls() {
