@@ -21,11 +21,9 @@
 mod support;
 
 use std::num::NonZeroUsize;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use futures::task::noop_waker_ref;
 use pulsar_dispatcher::scheduler::Scheduler;
 use tokio::task::LocalSet;
 
@@ -58,11 +56,10 @@ fn scheduler(c: &mut Criterion) {
             for (index, key) in keys.iter().enumerate() {
                 scheduler.try_insert(*key, index).unwrap();
             }
-            let mut cx = Context::from_waker(noop_waker_ref());
             let id = BenchmarkId::new(format!("levels{levels}"), subscriptions);
             group.bench_function(id, |b| {
                 b.iter(|| {
-                    let Poll::Ready(Some((key, message))) = scheduler.poll_dispatch(&mut cx) else {
+                    let Some((key, message)) = scheduler.try_dispatch() else {
                         unreachable!("every slot is full and a permit is free");
                     };
                     scheduler.release_permit();

@@ -396,16 +396,14 @@ fn run(options: &Options) -> Map<String, Value> {
 
 /// Allocations per message of the pure scheduler: insert, pick, release.
 fn scheduler_allocations(messages: usize) -> f64 {
-    use std::task::{Context, Poll};
     let mut scheduler =
         pulsar_dispatcher::scheduler::Scheduler::new(std::num::NonZeroUsize::new(20).unwrap());
     let keys: Vec<_> = (0..16).map(|i| scheduler.add_subscription(i)).collect();
-    let mut cx = Context::from_waker(futures::task::noop_waker_ref());
     let before = allocations();
     for index in 0..messages {
         let key = keys[index % keys.len()];
         scheduler.try_insert(key, index).expect("an empty slot");
-        let Poll::Ready(Some(_)) = scheduler.poll_dispatch(&mut cx) else {
+        let Some(_) = scheduler.try_dispatch() else {
             unreachable!("a message and a permit are there");
         };
         scheduler.release_permit();

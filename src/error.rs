@@ -1,7 +1,56 @@
-//! The dispatcher's error type.
+//! The crate's error types: [`Error`] for everything the dispatcher reports,
+//! [`TransportError`] for what a broker connection reports, and
+//! [`RetryTopicProblem`] for retry topics that would not work.
+//!
+//! They sit at the bottom of the crate: every other module may use them,
+//! and they use nothing of the crate but each other.
 
-use crate::routing::RetryTopicProblem;
-use crate::transport::TransportError;
+use pulsar::SubType;
+
+/// A failure reported by a transport.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The `pulsar` crate reported an error.
+    #[error(transparent)]
+    Pulsar(#[from] pulsar::Error),
+    /// The transport, or the consumer, has been closed.
+    #[error("the transport is closed")]
+    Closed,
+    /// A failure injected into the in-memory transport by a test.
+    #[error("injected failure: {0}")]
+    Injected(String),
+}
+
+impl From<pulsar::error::ConsumerError> for TransportError {
+    fn from(error: pulsar::error::ConsumerError) -> Self {
+        TransportError::Pulsar(error.into())
+    }
+}
+
+/// A retry topic that will not work as intended.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RetryTopicProblem {
+    /// No subscription on this dispatcher consumes the retry topic, so
+    /// retried messages would never be processed here.
+    #[error("{retry_topic} (the retry topic of {topic}) is not consumed by this dispatcher")]
+    NotConsumed {
+        /// The full name of the retry topic.
+        retry_topic: String,
+        /// The subscription's topic that retries there.
+        topic: String,
+    },
+    /// A subscription consumes the retry topic with a type that ignores
+    /// delivery delays, so retries would come back at once.
+    #[error("{retry_topic} is consumed by a {subscription_type:?} subscription, which ignores retry delays; use Shared or Key_Shared")]
+    DelaysIgnored {
+        /// The full name of the retry topic.
+        retry_topic: String,
+        /// The type of the consuming subscription.
+        subscription_type: SubType,
+    },
+}
 
 /// Everything that can go wrong when configuring or running a dispatcher.
 #[derive(Debug, thiserror::Error)]

@@ -98,32 +98,34 @@
 mod backoff;
 mod classify;
 mod dispatcher;
+mod engine;
 mod error;
 mod family;
 mod message;
+mod options;
+mod outcome;
 pub mod per_core;
-mod process;
-mod reader;
 pub mod routing;
 pub mod scheduler;
-mod subscription;
-mod sync;
 mod topic;
 pub mod transport;
 
 pub use backoff::{default_backoff, exponential_backoff};
 pub use classify::ErrorClass;
-pub use dispatcher::{
-    CloseHandle, Dispatcher, DispatcherBuilder, SubscriptionInfo, DEFAULT_CONCURRENCY,
-};
-pub use error::Error;
+pub use dispatcher::{CloseHandle, Dispatcher, DispatcherBuilder, DEFAULT_CONCURRENCY};
+pub use engine::{DispatcherStats, SubscriptionStats};
+pub use error::{Error, RetryTopicProblem, TransportError};
 pub use family::{FamilyTopic, NoSublevels, PriorityLevel, TopicFamily};
 pub use message::{Message, MessageId};
-pub use process::{HandlerError, IntoReply};
+pub use options::{SubscribeOptions, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY, DEFAULT_PRIORITY};
+pub use outcome::{HandlerError, IntoReply, SubscriptionInfo};
+/// The `pulsar` crate at the version this crate uses, so that its types
+/// (client builder, consumer options, dead letter policy) can be named
+/// without a second dependency that must be kept in step.
+pub use pulsar;
 pub use pulsar::consumer::DeadLetterPolicy;
 pub use pulsar::SubType;
-pub use routing::{DeadLetterTargets, RetryTopicCheck, RetryTopicProblem};
-pub use subscription::{SubscribeOptions, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY, DEFAULT_PRIORITY};
+pub use routing::{DeadLetterTargets, RetryTopicCheck};
 pub use topic::full_topic_name;
 
 #[cfg(test)]

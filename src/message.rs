@@ -31,11 +31,6 @@ impl MessageId {
         })
     }
 
-    /// A placeholder for an id that has been moved elsewhere.
-    pub(crate) fn unassigned() -> Self {
-        MessageId(MessageIdData::default())
-    }
-
     /// The ledger the message is stored in.
     pub fn ledger_id(&self) -> u64 {
         self.0.ledger_id

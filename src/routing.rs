@@ -22,13 +22,11 @@ use tracing::{error, info, warn};
 
 use crate::backoff::Backoff;
 use crate::classify::ErrorClass;
-use crate::dispatcher::SubscriptionInfo;
-use crate::error::Error;
+use crate::error::{Error, RetryTopicProblem, TransportError};
 use crate::message::Message;
-use crate::process::Outcome;
-use crate::reader::Verdict;
+use crate::outcome::{Outcome, SubscriptionInfo, Verdict};
 use crate::topic::full_topic_name;
-use crate::transport::{OutgoingMessage, Producer, Transport, TransportError};
+use crate::transport::{OutgoingMessage, Producer, Transport};
 
 /// How many times a message has been retried (Java client convention).
 pub const RECONSUMETIMES: &str = "RECONSUMETIMES";
@@ -87,30 +85,6 @@ pub enum RetryTopicCheck {
     Ignore,
     /// Refuse to start: `run()` returns [`Error::RetryTopics`].
     Refuse,
-}
-
-/// A retry topic that will not work as intended.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum RetryTopicProblem {
-    /// No subscription on this dispatcher consumes the retry topic, so
-    /// retried messages would never be processed here.
-    #[error("{retry_topic} (the retry topic of {topic}) is not consumed by this dispatcher")]
-    NotConsumed {
-        /// The full name of the retry topic.
-        retry_topic: String,
-        /// The subscription's topic that retries there.
-        topic: String,
-    },
-    /// A subscription consumes the retry topic with a type that ignores
-    /// delivery delays, so retries would come back at once.
-    #[error("{retry_topic} is consumed by a {subscription_type:?} subscription, which ignores retry delays; use Shared or Key_Shared")]
-    DelaysIgnored {
-        /// The full name of the retry topic.
-        retry_topic: String,
-        /// The type of the consuming subscription.
-        subscription_type: SubType,
-    },
 }
 
 /// Checks every retry topic against the subscriptions that consume it.
@@ -178,9 +152,33 @@ pub(crate) enum Action {
 
 /// A reply, retry or dead letter to publish before settling.
 pub(crate) struct Publish {
-    what: &'static str,
+    kind: PublishKind,
     topic: String,
     outgoing: OutgoingMessage,
+}
+
+/// What a [`Publish`] is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PublishKind {
+    Reply,
+    Retry,
+    DeadLetter,
+}
+
+impl PublishKind {
+    fn describe(self) -> &'static str {
+        match self {
+            PublishKind::Reply => "reply",
+            PublishKind::Retry => "retry",
+            PublishKind::DeadLetter => "dead letter",
+        }
+    }
+}
+
+impl Publish {
+    pub(crate) fn kind(&self) -> PublishKind {
+        self.kind
+    }
 }
 
 /// Where a failed message goes.
@@ -256,12 +254,12 @@ impl<T: Transport> Router<T> {
     ) -> LocalBoxFuture<'a, Verdict> {
         Box::pin(async move {
             let Publish {
-                what,
+                kind,
                 topic,
                 outgoing,
             } = publish;
             let published = self.producers.send(transport, &topic, outgoing).await;
-            self.ack_if_published(published, what, &topic, message)
+            self.ack_if_published(published, kind.describe(), &topic, message)
         })
     }
 
@@ -277,7 +275,7 @@ impl<T: Transport> Router<T> {
             Outcome::Succeeded(reply) => {
                 return match (&policy.reply_topic, reply) {
                     (Some(reply_topic), Some(reply)) => Action::Publish(Publish {
-                        what: "reply",
+                        kind: PublishKind::Reply,
                         topic: reply_topic.clone(),
                         outgoing: OutgoingMessage::new(reply),
                     }),
@@ -301,7 +299,7 @@ impl<T: Transport> Router<T> {
                     retry_message(message, retry, policy.dead_letter_topic.as_deref());
                 info!(%topic, message_id = %id, %error, retry_topic = %retry.topic, ?delay, "handler failed; retrying later");
                 Action::Publish(Publish {
-                    what: "retry",
+                    kind: PublishKind::Retry,
                     topic: retry.topic.clone(),
                     outgoing,
                 })
@@ -310,7 +308,7 @@ impl<T: Transport> Router<T> {
                 Some(destination) => {
                     warn!(%topic, message_id = %id, %error, dead_letter_topic = %destination, "handler failed; dead-lettering");
                     Action::Publish(Publish {
-                        what: "dead letter",
+                        kind: PublishKind::DeadLetter,
                         topic: destination,
                         outgoing: dead_letter_message(message),
                     })
@@ -480,7 +478,7 @@ mod tests {
     use super::*;
     use crate::backoff::default_backoff;
     use crate::message::MessageId;
-    use crate::process::HandlerError;
+    use crate::outcome::HandlerError;
     use crate::transport::MemoryTransport;
 
     fn message(properties: &[(&str, &str)]) -> Message {

@@ -1,10 +1,11 @@
 //! The pure scheduler: priority buckets, one-message slots and the permit count.
 //!
 //! This module owns the decision of *which* waiting message runs next and
-//! *whether* anything may run at all. It knows nothing of Pulsar, tasks or
-//! I/O: it is generic over the message type and is driven through plain
-//! method calls plus wakers, so it can be tested exhaustively and benchmarked
-//! alone.
+//! *whether* anything may run at all. It knows nothing of Pulsar, tasks,
+//! wakers or I/O: it is generic over the message type and driven through
+//! plain method calls, so it can be tested exhaustively and benchmarked
+//! alone. Whoever inserts a message or returns a permit asks it for work
+//! right away; nothing in it waits.
 //!
 //! Invariants:
 //! - every subscription has a slot that holds at most one message;
@@ -17,7 +18,6 @@
 
 use std::collections::VecDeque;
 use std::num::NonZeroUsize;
-use std::task::{Context, Poll, Waker};
 
 use slab::Slab;
 
@@ -38,8 +38,6 @@ pub enum Rejected<M> {
 struct Subscription<M> {
     bucket: usize,
     slot: Option<M>,
-    /// The reader waiting for this slot to empty.
-    vacancy_waker: Option<Waker>,
 }
 
 struct Bucket {
@@ -61,9 +59,9 @@ pub struct Scheduler<M> {
     ready_buckets: Vec<u64>,
     concurrency: usize,
     available: usize,
+    /// Full slots, across all buckets.
+    waiting: usize,
     closed: bool,
-    /// The dispatch loop, waiting for a permit, a message, or idleness.
-    dispatch_waker: Option<Waker>,
 }
 
 impl<M> Scheduler<M> {
@@ -75,8 +73,8 @@ impl<M> Scheduler<M> {
             ready_buckets: Vec::new(),
             concurrency: concurrency.get(),
             available: concurrency.get(),
+            waiting: 0,
             closed: false,
-            dispatch_waker: None,
         }
     }
 
@@ -89,13 +87,16 @@ impl<M> Scheduler<M> {
                 insert_at
             }
         };
-        self.buckets[bucket].members += 1;
-        self.buckets[bucket].ready.reserve(1);
-        SubscriptionKey(self.subscriptions.insert(Subscription {
-            bucket,
-            slot: None,
-            vacancy_waker: None,
-        }))
+        let bucket_state = &mut self.buckets[bucket];
+        bucket_state.members += 1;
+        // Room for every member at once, so that the queue never grows
+        // while messages are dispatched.
+        let room = bucket_state.members - bucket_state.ready.len();
+        bucket_state.ready.reserve(room);
+        SubscriptionKey(
+            self.subscriptions
+                .insert(Subscription { bucket, slot: None }),
+        )
     }
 
     fn insert_bucket(&mut self, at: usize, priority: i64) {
@@ -130,18 +131,6 @@ impl<M> Scheduler<M> {
         self.subscriptions[key.0].slot.is_none()
     }
 
-    /// Resolves when the subscription's slot is empty (or at once when the
-    /// scheduler is closed, since nothing will empty it for a reader then
-    /// except dispatching, which the reader must not wait for).
-    pub fn poll_vacancy(&mut self, key: SubscriptionKey, cx: &mut Context<'_>) -> Poll<()> {
-        let subscription = &mut self.subscriptions[key.0];
-        if subscription.slot.is_none() || self.closed {
-            return Poll::Ready(());
-        }
-        store_waker(&mut subscription.vacancy_waker, cx);
-        Poll::Pending
-    }
-
     /// Puts `message` into the subscription's slot.
     pub fn try_insert(&mut self, key: SubscriptionKey, message: M) -> Result<(), Rejected<M>> {
         if self.closed {
@@ -155,33 +144,21 @@ impl<M> Scheduler<M> {
         let bucket = subscription.bucket;
         self.buckets[bucket].ready.push_back(key);
         self.ready_buckets[bucket / 64] |= 1 << (bucket % 64);
-        if self.available > 0 {
-            wake(&mut self.dispatch_waker);
-        }
+        self.waiting += 1;
         Ok(())
     }
 
-    /// Takes a permit and then the best waiting message.
+    /// Takes a permit and then the best waiting message, if there is both.
     ///
-    /// Returns `Ready(None)` once the scheduler is closed and every slot has
-    /// been emptied. The permit comes first: while none is free, messages stay
-    /// in their slots, so the choice is made when capacity frees up.
-    pub fn poll_dispatch(&mut self, cx: &mut Context<'_>) -> Poll<Option<(SubscriptionKey, M)>> {
+    /// The permit comes first: while none is free, messages stay in their
+    /// slots, so the choice is made when capacity frees up.
+    pub fn try_dispatch(&mut self) -> Option<(SubscriptionKey, M)> {
         if self.available == 0 {
-            store_waker(&mut self.dispatch_waker, cx);
-            return Poll::Pending;
+            return None;
         }
-        match self.pick() {
-            Some(picked) => {
-                self.available -= 1;
-                Poll::Ready(Some(picked))
-            }
-            None if self.closed => Poll::Ready(None),
-            None => {
-                store_waker(&mut self.dispatch_waker, cx);
-                Poll::Pending
-            }
-        }
+        let picked = self.pick()?;
+        self.available -= 1;
+        Some(picked)
     }
 
     fn pick(&mut self) -> Option<(SubscriptionKey, M)> {
@@ -193,12 +170,11 @@ impl<M> Scheduler<M> {
         if ready.is_empty() {
             self.ready_buckets[bucket / 64] &= !(1 << (bucket % 64));
         }
-        let subscription = &mut self.subscriptions[key.0];
-        let message = subscription
+        let message = self.subscriptions[key.0]
             .slot
             .take()
             .expect("ready queue names an empty slot");
-        wake(&mut subscription.vacancy_waker);
+        self.waiting -= 1;
         Some((key, message))
     }
 
@@ -206,7 +182,6 @@ impl<M> Scheduler<M> {
     pub fn release_permit(&mut self) {
         assert!(self.available < self.concurrency, "permit released twice");
         self.available += 1;
-        wake(&mut self.dispatch_waker);
     }
 
     /// Number of dispatched messages whose permit has not come back yet.
@@ -214,23 +189,25 @@ impl<M> Scheduler<M> {
         self.concurrency - self.available
     }
 
-    /// Resolves once no permit is taken.
-    pub fn poll_idle(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.in_flight() == 0 {
-            return Poll::Ready(());
-        }
-        store_waker(&mut self.dispatch_waker, cx);
-        Poll::Pending
+    /// Number of permits free.
+    pub fn available(&self) -> usize {
+        self.available
+    }
+
+    /// Number of messages waiting in slots.
+    pub fn waiting(&self) -> usize {
+        self.waiting
+    }
+
+    /// Whether nothing waits and nothing is in flight.
+    pub fn is_idle(&self) -> bool {
+        self.waiting == 0 && self.in_flight() == 0
     }
 
     /// Refuses further insertions; messages already in slots stay there to
-    /// be dispatched. Wakes the dispatch loop and every waiting reader.
+    /// be dispatched.
     pub fn close(&mut self) {
         self.closed = true;
-        wake(&mut self.dispatch_waker);
-        for (_, subscription) in self.subscriptions.iter_mut() {
-            wake(&mut subscription.vacancy_waker);
-        }
     }
 }
 
@@ -241,34 +218,16 @@ fn first_set_bit(words: &[u64]) -> Option<usize> {
         .map(|index| index * 64 + words[index].trailing_zeros() as usize)
 }
 
-fn store_waker(slot: &mut Option<Waker>, cx: &mut Context<'_>) {
-    match slot {
-        Some(waker) if waker.will_wake(cx.waker()) => {}
-        _ => *slot = Some(cx.waker().clone()),
-    }
-}
-
-fn wake(slot: &mut Option<Waker>) {
-    if let Some(waker) = slot.take() {
-        waker.wake();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use futures::task::noop_waker_ref;
 
     fn scheduler(concurrency: usize) -> Scheduler<&'static str> {
         Scheduler::new(NonZeroUsize::new(concurrency).unwrap())
     }
 
     fn dispatch(s: &mut Scheduler<&'static str>) -> Option<&'static str> {
-        let mut cx = Context::from_waker(noop_waker_ref());
-        match s.poll_dispatch(&mut cx) {
-            Poll::Ready(Some((_, m))) => Some(m),
-            _ => None,
-        }
+        s.try_dispatch().map(|(_, message)| message)
     }
 
     #[test]
@@ -312,12 +271,9 @@ mod tests {
         for (key, name) in keys.iter().zip(names) {
             s.try_insert(*key, name).unwrap();
         }
-        let mut cx = Context::from_waker(noop_waker_ref());
         let mut order = Vec::new();
         for _ in 0..6 {
-            let Poll::Ready(Some((key, name))) = s.poll_dispatch(&mut cx) else {
-                panic!("a message is waiting");
-            };
+            let (key, name) = s.try_dispatch().expect("a message is waiting");
             order.push(name);
             // The served subscription refills at once and so joins the back
             // of the line.
@@ -361,12 +317,12 @@ mod tests {
         s.try_insert(a, "a").unwrap();
         s.close();
         assert_eq!(s.try_insert(b, "b"), Err(Rejected::Closed("b")));
+        assert_eq!(s.waiting(), 1);
         assert_eq!(dispatch(&mut s), Some("a"));
-        let mut cx = Context::from_waker(noop_waker_ref());
-        assert!(matches!(s.poll_dispatch(&mut cx), Poll::Ready(None)));
-        assert!(s.poll_idle(&mut cx).is_pending());
+        assert_eq!(dispatch(&mut s), None);
+        assert!(!s.is_idle(), "one message is in flight");
         s.release_permit();
-        assert!(s.poll_idle(&mut cx).is_ready());
+        assert!(s.is_idle());
     }
 
     #[test]
@@ -384,32 +340,15 @@ mod tests {
     }
 
     #[test]
-    fn dispatch_and_vacancy_wake_their_waiters() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        use std::sync::Arc;
-        struct Counter(AtomicUsize);
-        impl futures::task::ArcWake for Counter {
-            fn wake_by_ref(arc_self: &Arc<Self>) {
-                arc_self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let dispatch_wakes = Arc::new(Counter(AtomicUsize::new(0)));
-        let reader_wakes = Arc::new(Counter(AtomicUsize::new(0)));
-        let dispatch_waker = futures::task::waker(dispatch_wakes.clone());
-        let reader_waker = futures::task::waker(reader_wakes.clone());
+    fn ready_queues_hold_their_whole_bucket_without_growing() {
         let mut s = scheduler(1);
-        let a = s.add_subscription(1);
-        assert!(s
-            .poll_dispatch(&mut Context::from_waker(&dispatch_waker))
-            .is_pending());
-        s.try_insert(a, "a").unwrap();
-        assert_eq!(dispatch_wakes.0.load(Ordering::SeqCst), 1);
-        assert!(s
-            .poll_vacancy(a, &mut Context::from_waker(&reader_waker))
-            .is_pending());
-        assert!(s
-            .poll_dispatch(&mut Context::from_waker(&dispatch_waker))
-            .is_ready());
-        assert_eq!(reader_wakes.0.load(Ordering::SeqCst), 1);
+        let keys: Vec<_> = (0..10).map(|_| s.add_subscription(7)).collect();
+        let capacity = s.buckets[0].ready.capacity();
+        assert!(capacity >= 10, "capacity {capacity} for 10 members");
+        for key in keys {
+            s.try_insert(key, "m").unwrap();
+        }
+        assert_eq!(s.buckets[0].ready.capacity(), capacity);
+        assert_eq!(s.waiting(), 10);
     }
 }

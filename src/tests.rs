@@ -620,4 +620,56 @@ fn a_subscribe_that_completes_after_run_started_leaves_no_consumer() {
     });
 }
 
+#[test]
+fn stats_count_outcomes_and_settlements_the_transport_refused() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        dispatcher
+            .subscribe(
+                "good",
+                async |message: &Message| match message.payload() {
+                    b"fail" => Err("failed"),
+                    b"panic" => panic!("handler panicked"),
+                    _ => Ok(()),
+                },
+                options(1),
+            )
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("refused", recorder(&Log::default(), "r"), options(2))
+            .await
+            .unwrap();
+        for payload in ["ok", "ok", "fail", "panic"] {
+            transport.send("good", payload);
+        }
+        transport.fail_settlements("refused");
+        transport.send("refused", "x");
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("good", 2).await;
+        settle_down().await;
+        let stats = dispatcher.stats();
+        let (good, refused) = (&stats.subscriptions[0], &stats.subscriptions[1]);
+        assert!(good.topic.ends_with("/good"), "{good:?}");
+        assert_eq!(good.priority, 1);
+        // The failed and panicked messages come back (nack without delay)
+        // and fail again, so count at least once each.
+        assert!(good.received >= 4 && good.dispatched >= 4, "{good:?}");
+        assert_eq!(good.succeeded, 2, "{good:?}");
+        assert!(good.failed >= 1 && good.panicked >= 1, "{good:?}");
+        assert_eq!(good.acked, 2, "{good:?}");
+        assert_eq!(good.nacked, good.failed + good.panicked, "{good:?}");
+        assert_eq!((good.acks_failed, good.nacks_failed), (0, 0));
+        assert_eq!((refused.succeeded, refused.acked), (1, 0), "{refused:?}");
+        assert_eq!(refused.acks_failed, 1, "the refused ack is counted");
+        assert_eq!(stats.total().acks_failed, 1);
+        assert_eq!(stats.concurrency, 4);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let closer_stats = dispatcher.close_handle().stats().unwrap();
+        assert_eq!(closer_stats.total().acks_failed, 1);
+    });
+}
+
 mod routing;

@@ -99,6 +99,12 @@ fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name()
                 s.msg_backlog == 0
             })
             .await;
+            let counted = dispatcher.stats().total();
+            assert_eq!(
+                (counted.acked, counted.acks_failed),
+                (60, 0),
+                "{subscription_type:?}: {counted:?}"
+            );
             dispatcher.close().await;
             run.await.unwrap().unwrap();
             assert_eq!(
@@ -203,7 +209,7 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
     run_local(Duration::from_secs(240), async {
         let topic = fresh_topic("backlog", TopicKind::Partitioned(PARTITIONS));
         let subscription = unique_name("sub");
-        let total = 300;
+        let total = 1000;
         produce_keyed(&topic, total, 17).await;
         let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
         let options = || {
@@ -238,7 +244,9 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
             let run = start(&dispatcher);
             let before = handled.borrow().len();
             wait_until("a few messages", Duration::from_secs(20), || {
-                handled.borrow().len() >= before + 5
+                let handled = handled.borrow();
+                handled.len() >= before + 5
+                    || handled.iter().collect::<BTreeSet<_>>().len() == total
             })
             .await;
             tokio::time::timeout(Duration::from_secs(10), dispatcher.close())

@@ -9,14 +9,14 @@
 //! keeps the benchmarks about the dispatcher.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::poll_fn;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
-use super::{Consumer, OutgoingMessage, Producer, Transport, TransportError};
+use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
 use crate::message::{Message, MessageId};
-use crate::subscription::SubscribeOptions;
 use crate::topic::full_topic_name;
 
 /// An in-memory transport. Cloning it gives another handle to the same
@@ -60,6 +60,7 @@ struct Broker {
     failing_subscribes: RefCell<HashSet<String>>,
     failing_producers: RefCell<HashMap<String, usize>>,
     fail_close: Cell<bool>,
+    failing_settlements: RefCell<HashSet<String>>,
     closed: Cell<bool>,
     open_consumers: Cell<usize>,
 }
@@ -69,9 +70,9 @@ struct Topic {
     name: Rc<str>,
     backlog: RefCell<VecDeque<Message>>,
     /// Messages handed to a consumer and neither acked nor nacked yet, by
-    /// entry id (unique in this broker). Few at a time, so a small ordered
-    /// map beats hashing ids.
-    unsettled: RefCell<BTreeMap<u64, Message>>,
+    /// entry id (unique in this broker, so it is its own hash). The map
+    /// keeps its capacity, so steady traffic allocates nothing.
+    unsettled: RefCell<HashMap<u64, Message, BuildHasherDefault<EntryIdHasher>>>,
     consumer_waker: Cell<Option<Waker>>,
     ended: Cell<bool>,
     received: Cell<u64>,
@@ -97,6 +98,27 @@ impl Topic {
         if let Some(waker) = self.settle_waker.take() {
             waker.wake();
         }
+    }
+}
+
+/// Hashes an entry id as itself: ids are distinct counters, so this spreads
+/// them as well as any hash, at no cost.
+#[derive(Default)]
+struct EntryIdHasher(u64);
+
+impl Hasher for EntryIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
     }
 }
 
@@ -236,6 +258,15 @@ impl MemoryTransport {
             .insert(full(topic), times);
     }
 
+    /// Makes every later ack and nack on `topic` fail, as acks into a
+    /// broken connection would.
+    pub fn fail_settlements(&self, topic: &str) {
+        self.broker
+            .failing_settlements
+            .borrow_mut()
+            .insert(full(topic));
+    }
+
     /// Makes `close` report an error (after closing all the same).
     pub fn fail_close(&self) {
         self.broker.fail_close.set(true);
@@ -265,11 +296,8 @@ impl Transport for MemoryTransport {
     type Consumer = MemoryConsumer;
     type Producer = MemoryProducer;
 
-    async fn subscribe(
-        &self,
-        topic: &str,
-        _options: &SubscribeOptions,
-    ) -> Result<MemoryConsumer, TransportError> {
+    async fn subscribe(&self, spec: &ConsumerSpec) -> Result<MemoryConsumer, TransportError> {
+        let topic = spec.topic.as_str();
         // A real subscribe takes a round trip, during which the dispatcher
         // may start or close.
         tokio::task::yield_now().await;
@@ -328,46 +356,61 @@ pub struct MemoryConsumer {
     closed: bool,
 }
 
+impl MemoryConsumer {
+    fn refuse_if_failing(&self, what: &str) -> Result<(), TransportError> {
+        let failing = self.broker.failing_settlements.borrow();
+        if failing.is_empty() || !failing.contains(&*self.topic.name) {
+            return Ok(());
+        }
+        Err(TransportError::Injected(format!(
+            "{what} on {}",
+            self.topic.name
+        )))
+    }
+}
+
 impl Consumer for MemoryConsumer {
-    async fn receive(&mut self) -> Option<Result<Message, TransportError>> {
-        poll_fn(|cx| {
-            if self.topic.ended.get() {
-                return Poll::Ready(None);
+    fn poll_receive(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Message, TransportError>>> {
+        if self.topic.ended.get() {
+            return Poll::Ready(None);
+        }
+        match self.topic.backlog.borrow_mut().pop_front() {
+            Some(message) => {
+                self.topic.received.set(self.topic.received.get() + 1);
+                self.topic
+                    .unsettled
+                    .borrow_mut()
+                    .insert(message.id.entry_id(), message.clone());
+                Poll::Ready(Some(Ok(message)))
             }
-            match self.topic.backlog.borrow_mut().pop_front() {
-                Some(message) => {
-                    self.topic.received.set(self.topic.received.get() + 1);
-                    self.topic
-                        .unsettled
-                        .borrow_mut()
-                        .insert(message.id.entry_id(), message.clone());
-                    Poll::Ready(Some(Ok(message)))
-                }
-                None => {
-                    self.topic.consumer_waker.set(Some(cx.waker().clone()));
-                    Poll::Pending
-                }
+            None => {
+                self.topic.consumer_waker.set(Some(cx.waker().clone()));
+                Poll::Pending
             }
-        })
-        .await
+        }
     }
 
-    async fn ack(&mut self, id: MessageId) -> Result<(), TransportError> {
+    fn ack(&mut self, id: &MessageId) -> Result<(), TransportError> {
+        self.refuse_if_failing("ack")?;
         self.topic.unsettled.borrow_mut().remove(&id.entry_id());
         self.topic.acked.set(self.topic.acked.get() + 1);
         self.broker.events.borrow_mut().push(Event::Acked {
             topic: self.topic.name.clone(),
-            id,
+            id: id.clone(),
         });
         self.topic.settled();
         Ok(())
     }
 
-    async fn nack(&mut self, id: MessageId) -> Result<(), TransportError> {
+    fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
+        self.refuse_if_failing("nack")?;
         let redelivery = self.topic.unsettled.borrow_mut().remove(&id.entry_id());
         self.broker.events.borrow_mut().push(Event::Nacked {
             topic: self.topic.name.clone(),
-            id,
+            id: id.clone(),
         });
         if let Some(mut message) = redelivery {
             message.redelivery_count = Some(message.redelivery_count.unwrap_or(0) + 1);
@@ -384,9 +427,15 @@ impl Consumer for MemoryConsumer {
                 .set(self.broker.open_consumers.get() - 1);
             // Like a broker, hand whatever this consumer left unsettled to
             // the next consumer.
-            let unsettled: Vec<Message> = std::mem::take(&mut *self.topic.unsettled.borrow_mut())
-                .into_values()
+            let mut unsettled: Vec<Message> = self
+                .topic
+                .unsettled
+                .borrow_mut()
+                .drain()
+                .map(|(_, message)| message)
                 .collect();
+            // In the order they were first delivered.
+            unsettled.sort_by_key(|message| std::cmp::Reverse(message.id.entry_id()));
             for message in unsettled {
                 self.topic.push(message, true);
             }

@@ -4,37 +4,74 @@
 //! The dispatcher needs four things from a broker: create a consumer, take
 //! messages from it, settle them (ack or nack), and publish messages (for
 //! replies, retries and dead letters). [`Transport`], [`Consumer`] and
-//! [`Producer`] say exactly that and nothing more. [`PulsarTransport`] implements them over
-//! the `pulsar` crate; [`MemoryTransport`] implements them in memory for unit
-//! tests and benchmarks. Everything above this module is written against the
-//! traits, so both transports run the same scheduling and settlement code.
+//! [`Producer`] say exactly that and nothing more; [`ConsumerSpec`] is all a
+//! transport is told about a subscription. [`PulsarTransport`] implements
+//! them over the `pulsar` crate; [`MemoryTransport`] implements them in
+//! memory for unit tests and benchmarks. Everything above this module is
+//! written against the traits, so both transports run the same scheduling
+//! and settlement code.
 //!
-//! The traits use `async fn` without `Send` bounds on purpose: the whole
-//! dispatcher lives on one thread.
+//! Receiving is a poll, so that the dispatcher can refill a subscription's
+//! slot from wherever the slot empties, and settling is synchronous, so that
+//! a handler's task settles its own message: a consumer is shared by the
+//! dispatcher's tasks, each borrowing it only for the length of a call.
+//! The traits carry no `Send` bounds on purpose: the whole dispatcher lives
+//! on one thread.
 
 mod memory;
 mod nodelay;
 mod pulsar;
 
+use std::task::{Context, Poll};
+use std::time::Duration;
+
 pub use self::memory::{Event, MemoryConsumer, MemoryProducer, MemoryTransport};
 pub use self::pulsar::{PulsarConsumer, PulsarProducer, PulsarTransport};
+pub use crate::error::TransportError;
+
+use ::pulsar::consumer::DeadLetterPolicy;
+use ::pulsar::{ConsumerOptions, SubType};
 
 use crate::message::{find_property, Message, MessageId};
-use crate::subscription::SubscribeOptions;
 
-/// A failure reported by a transport.
-#[derive(Debug, thiserror::Error)]
+/// What a transport needs to know to create a consumer.
+#[derive(Clone, Debug)]
 #[non_exhaustive]
-pub enum TransportError {
-    /// The `pulsar` crate reported an error.
-    #[error(transparent)]
-    Pulsar(#[from] ::pulsar::Error),
-    /// The transport, or the consumer, has been closed.
-    #[error("the transport is closed")]
-    Closed,
-    /// A failure injected into the in-memory transport by a test.
-    #[error("injected failure: {0}")]
-    Injected(String),
+pub struct ConsumerSpec {
+    /// The full topic name.
+    pub topic: String,
+    /// The subscription name; the transport makes one up without it.
+    pub subscription: Option<String>,
+    /// The subscription type.
+    pub subscription_type: SubType,
+    /// How many messages the consumer may prefetch (per partition of a
+    /// partitioned topic).
+    pub receiver_queue_size: u32,
+    /// The consumer name the broker shows.
+    pub consumer_name: Option<String>,
+    /// The `pulsar` crate's consumer options, passed through.
+    pub consumer_options: ConsumerOptions,
+    /// The `pulsar` crate's dead letter policy, passed through.
+    pub dead_letter_policy: Option<DeadLetterPolicy>,
+    /// The `pulsar` crate's ack timeout, passed through.
+    pub unacked_message_resend_delay: Option<Duration>,
+}
+
+impl ConsumerSpec {
+    /// A spec for `topic` with the crate's defaults and a receiver queue
+    /// of 1.
+    pub fn new(topic: impl Into<String>) -> Self {
+        ConsumerSpec {
+            topic: topic.into(),
+            subscription: None,
+            subscription_type: SubType::Exclusive,
+            receiver_queue_size: 1,
+            consumer_name: None,
+            consumer_options: ConsumerOptions::default(),
+            dead_letter_policy: None,
+            unacked_message_resend_delay: None,
+        }
+    }
 }
 
 /// A message to publish: the fields a faithful republish needs.
@@ -88,41 +125,41 @@ pub trait Transport: 'static {
     /// The consumer type this transport creates.
     type Consumer: Consumer;
 
-    /// Creates a consumer for `topic` (a full topic name) with `options`.
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: &SubscribeOptions,
-    ) -> Result<Self::Consumer, TransportError>;
+    /// Creates a consumer as `spec` says.
+    async fn subscribe(&self, spec: &ConsumerSpec) -> Result<Self::Consumer, TransportError>;
 
     /// The producer type this transport creates.
     type Producer: Producer;
 
     /// Creates a producer for `topic` (a full topic name). The dispatcher
-    /// creates one per topic, lazily, and shares it.
+    /// creates one per topic and shares it.
     async fn create_producer(&self, topic: &str) -> Result<Self::Producer, TransportError>;
 
     /// Closes the connection; called once, last, during shutdown.
     async fn close(&self) -> Result<(), TransportError>;
 }
 
-/// One subscription's consumer. It is owned by a single reader task, which
-/// both receives and settles through it.
+/// One subscription's consumer.
 #[allow(async_fn_in_trait)]
 pub trait Consumer: 'static {
-    /// The next message; `None` when the consumer has ended for good.
-    ///
-    /// Must be cancel-safe: dropping the future before it completes loses no
-    /// message. The reader relies on this to stop receiving at any moment.
-    async fn receive(&mut self) -> Option<Result<Message, TransportError>>;
+    /// Polls for the next message; `Ready(None)` when the consumer has ended
+    /// for good. When it returns `Pending`, the waker of `cx` is woken once a
+    /// message may be ready. The dispatcher polls only while it has room for
+    /// a message, which is how its backpressure reaches the broker.
+    fn poll_receive(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Message, TransportError>>>;
 
-    /// Acknowledges a message.
-    async fn ack(&mut self, id: MessageId) -> Result<(), TransportError>;
+    /// Acknowledges a message. Does not wait for the broker: the
+    /// acknowledgement is queued, in order, for the connection.
+    fn ack(&mut self, id: &MessageId) -> Result<(), TransportError>;
 
-    /// Asks for a message to be redelivered.
-    async fn nack(&mut self, id: MessageId) -> Result<(), TransportError>;
+    /// Asks for a message to be redelivered; queued like [`ack`](Self::ack).
+    fn nack(&mut self, id: &MessageId) -> Result<(), TransportError>;
 
-    /// Closes the consumer after every earlier ack and nack has been sent.
+    /// Closes the consumer once every ack and nack queued earlier has been
+    /// passed on. Messages received and not settled go back to the broker.
     async fn close(&mut self) -> Result<(), TransportError>;
 }
 

@@ -1,8 +1,10 @@
 //! The transport over the `pulsar` crate.
 //!
-//! One `pulsar::Consumer` per subscription, owned by that subscription's
-//! reader task (the crate's `Consumer` needs `&mut self` both to receive and
-//! to ack, so a single owner does both). Producers wrap the crate's
+//! One `pulsar::Consumer` per partition of a subscription's topic (one for a
+//! topic that is not partitioned), so that every message is settled on the
+//! partition it came from and every partition can be drained and closed on
+//! its own. The crate's acks and nacks only queue a command for the
+//! consumer's engine task, so settling is synchronous here. Producers wrap the crate's
 //! `Producer` in an async mutex held only while a message is handed over,
 //! not while its receipt is awaited, so concurrent sends to one topic
 //! pipeline. The crate runs its connection tasks with `tokio::spawn`, which
@@ -21,7 +23,6 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use std::future::poll_fn;
 use std::task::{Context, Poll};
 
 use futures::{FutureExt, StreamExt};
@@ -29,9 +30,8 @@ use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
 
 use super::nodelay::disable_nagle;
-use super::{Consumer, OutgoingMessage, Producer, Transport, TransportError};
+use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
 use crate::message::{Message, MessageId};
-use crate::subscription::SubscribeOptions;
 
 /// A connection to a Pulsar cluster through the `pulsar` crate.
 pub struct PulsarTransport {
@@ -75,24 +75,24 @@ impl PulsarTransport {
         &self,
         client: &Pulsar<TokioExecutor>,
         topic: &str,
-        options: &SubscribeOptions,
+        spec: &ConsumerSpec,
     ) -> Result<pulsar::Consumer<Vec<u8>, TokioExecutor>, TransportError> {
-        let mut consumer_options = options.consumer_options.clone();
-        consumer_options.receiver_queue_size = Some(options.receiver_queue_size);
+        let mut consumer_options = spec.consumer_options.clone();
+        consumer_options.receiver_queue_size = Some(spec.receiver_queue_size);
         let mut builder = client
             .consumer()
             .with_topic(topic)
-            .with_subscription_type(options.subscription_type)
-            .with_batch_size(options.receiver_queue_size)
+            .with_subscription_type(spec.subscription_type)
+            .with_batch_size(spec.receiver_queue_size)
             .with_options(consumer_options)
-            .with_unacked_message_resend_delay(options.unacked_message_resend_delay);
-        if let Some(name) = &options.subscription {
+            .with_unacked_message_resend_delay(spec.unacked_message_resend_delay);
+        if let Some(name) = &spec.subscription {
             builder = builder.with_subscription(name);
         }
-        if let Some(name) = &options.consumer_name {
+        if let Some(name) = &spec.consumer_name {
             builder = builder.with_consumer_name(name);
         }
-        if let Some(policy) = &options.dead_letter_policy {
+        if let Some(policy) = &spec.dead_letter_policy {
             builder = builder.with_dead_letter_policy(policy.clone());
         }
         let consumer = builder.build().await?;
@@ -112,11 +112,8 @@ impl Transport for PulsarTransport {
     type Consumer = PulsarConsumer;
     type Producer = PulsarProducer;
 
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: &SubscribeOptions,
-    ) -> Result<PulsarConsumer, TransportError> {
+    async fn subscribe(&self, spec: &ConsumerSpec) -> Result<PulsarConsumer, TransportError> {
+        let topic = spec.topic.as_str();
         let client = self.open_client()?;
         // A partitioned topic gets one consumer per partition, so that each
         // message is settled on the partition it came from and each
@@ -129,7 +126,7 @@ impl Transport for PulsarTransport {
         let built = futures::future::join_all(
             names
                 .iter()
-                .map(|name| self.partition_consumer(&client, name, options)),
+                .map(|name| self.partition_consumer(&client, name, spec)),
         )
         .await;
         let mut partitions = Vec::with_capacity(built.len());
@@ -314,18 +311,26 @@ impl PulsarConsumer {
             })
     }
 
-    async fn settle(&mut self, id: MessageId, succeeded: bool) -> Result<(), TransportError> {
-        let Some(succeeded) = self.batches.settle(&id, succeeded) else {
+    fn settle(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
+        let Some(succeeded) = self.batches.settle(id, succeeded) else {
             return Ok(());
         };
-        let partition = self.partition_of(&id)?;
+        let partition = self.partition_of(id)?;
         let topic = &partition.topic;
-        let sent = if succeeded {
-            partition.consumer.ack_with_id(topic, id.0).await
+        let raw = id.0.clone();
+        // The crate's ack and nack only queue a command on an unbounded
+        // channel to the consumer's engine: they complete on the first poll.
+        let queued = if succeeded {
+            partition.consumer.ack_with_id(topic, raw).now_or_never()
         } else {
-            partition.consumer.nack_with_id(topic, id.0).await
+            partition.consumer.nack_with_id(topic, raw).now_or_never()
         };
-        sent.map_err(|e| TransportError::Pulsar(e.into()))
+        match queued {
+            Some(result) => Ok(result?),
+            None => Err(TransportError::Pulsar(pulsar::Error::Custom(
+                "the consumer's engine did not take the settlement at once".into(),
+            ))),
+        }
     }
 }
 
@@ -375,19 +380,23 @@ impl BatchSettlements {
 }
 
 impl Consumer for PulsarConsumer {
-    async fn receive(&mut self) -> Option<Result<Message, TransportError>> {
-        // Cancel-safe: the crate keeps undelivered messages in its own queue.
-        let received = poll_fn(|cx| self.poll_partitions(cx)).await;
-        self.brokers.recheck_if_due();
+    fn poll_receive(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Message, TransportError>>> {
+        let received = self.poll_partitions(cx);
+        if received.is_ready() {
+            self.brokers.recheck_if_due();
+        }
         received
     }
 
-    async fn ack(&mut self, id: MessageId) -> Result<(), TransportError> {
-        self.settle(id, true).await
+    fn ack(&mut self, id: &MessageId) -> Result<(), TransportError> {
+        self.settle(id, true)
     }
 
-    async fn nack(&mut self, id: MessageId) -> Result<(), TransportError> {
-        self.settle(id, false).await
+    fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
+        self.settle(id, false)
     }
 
     async fn close(&mut self) -> Result<(), TransportError> {

@@ -1,4 +1,5 @@
-//! Subscription options: what `subscribe` takes besides the topic and handler.
+//! Subscription options: what `subscribe` takes besides the topic and
+//! handler, and their resolution into what the engine runs.
 //!
 //! The options the dispatcher itself interprets (priority, receiver queue
 //! size, negative-ack delay, error routing, replies) have the reference
@@ -13,9 +14,11 @@ use pulsar::{ConsumerOptions, SubType};
 
 use crate::backoff::{default_backoff, Backoff};
 use crate::classify::ErrorClass;
+use crate::engine::SubscriptionSpec;
 use crate::error::Error;
 use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::topic::full_topic_name;
+use crate::transport::ConsumerSpec;
 
 /// The priority a subscription gets unless told otherwise.
 pub const DEFAULT_PRIORITY: i64 = 100;
@@ -38,15 +41,15 @@ pub const DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY: Duration = Duration::from_secs(
 /// ```
 #[derive(Clone, Debug)]
 pub struct SubscribeOptions {
-    pub(crate) priority: i64,
-    pub(crate) subscription: Option<String>,
-    pub(crate) subscription_type: SubType,
-    pub(crate) receiver_queue_size: u32,
-    pub(crate) negative_ack_redelivery_delay: Duration,
-    pub(crate) consumer_name: Option<String>,
-    pub(crate) consumer_options: ConsumerOptions,
-    pub(crate) dead_letter_policy: Option<DeadLetterPolicy>,
-    pub(crate) unacked_message_resend_delay: Option<Duration>,
+    priority: i64,
+    subscription: Option<String>,
+    subscription_type: SubType,
+    receiver_queue_size: u32,
+    negative_ack_redelivery_delay: Duration,
+    consumer_name: Option<String>,
+    consumer_options: ConsumerOptions,
+    dead_letter_policy: Option<DeadLetterPolicy>,
+    unacked_message_resend_delay: Option<Duration>,
     fatal_errors: Option<ErrorClass>,
     retry_errors: Option<ErrorClass>,
     retry_topic: Option<String>,
@@ -86,6 +89,7 @@ impl SubscribeOptions {
 
     /// Scheduling priority; lower values are dispatched first. Any integer;
     /// gaps are fine and subscriptions may share a value.
+    #[must_use]
     pub fn priority(mut self, priority: i64) -> Self {
         self.priority = priority;
         self
@@ -93,6 +97,7 @@ impl SubscribeOptions {
 
     /// The subscription name. Without one, the `pulsar` crate makes one up,
     /// which suits only throwaway subscriptions.
+    #[must_use]
     pub fn subscription(mut self, name: impl Into<String>) -> Self {
         self.subscription = Some(name.into());
         self
@@ -100,6 +105,7 @@ impl SubscribeOptions {
 
     /// The subscription type (Exclusive by default, as in Pulsar's clients).
     /// Delayed delivery, and so delayed retries, needs Shared or Key_Shared.
+    #[must_use]
     pub fn subscription_type(mut self, subscription_type: SubType) -> Self {
         self.subscription_type = subscription_type;
         self
@@ -108,6 +114,7 @@ impl SubscribeOptions {
     /// How many messages the consumer may prefetch from the broker
     /// (its flow permits). The default of 1 keeps the backlog on the broker;
     /// larger values trade client-side buffering for throughput.
+    #[must_use]
     pub fn receiver_queue_size(mut self, size: u32) -> Self {
         self.receiver_queue_size = size;
         self
@@ -115,12 +122,14 @@ impl SubscribeOptions {
 
     /// How long a message whose handler failed waits before it is nacked,
     /// and so redelivered. Zero nacks at once.
+    #[must_use]
     pub fn negative_ack_redelivery_delay(mut self, delay: Duration) -> Self {
         self.negative_ack_redelivery_delay = delay;
         self
     }
 
     /// The consumer name the broker shows in its stats.
+    #[must_use]
     pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
         self.consumer_name = Some(name.into());
         self
@@ -129,6 +138,7 @@ impl SubscribeOptions {
     /// The `pulsar` crate's consumer options (initial position, durability,
     /// metadata, read_compacted, priority level, ...). Their
     /// `receiver_queue_size` is replaced by [`receiver_queue_size`](Self::receiver_queue_size).
+    #[must_use]
     pub fn consumer_options(mut self, options: ConsumerOptions) -> Self {
         self.consumer_options = options;
         self
@@ -136,6 +146,7 @@ impl SubscribeOptions {
 
     /// The `pulsar` crate's dead letter policy: after `max_redeliver_count`
     /// redeliveries a message is moved to `dead_letter_topic`.
+    #[must_use]
     pub fn dead_letter_policy(mut self, policy: DeadLetterPolicy) -> Self {
         self.dead_letter_policy = Some(policy);
         self
@@ -143,6 +154,7 @@ impl SubscribeOptions {
 
     /// Redeliver messages left unacknowledged for this long (the `pulsar`
     /// crate's ack timeout). Off by default.
+    #[must_use]
     pub fn unacked_message_resend_delay(mut self, delay: Duration) -> Self {
         self.unacked_message_resend_delay = Some(delay);
         self
@@ -154,6 +166,7 @@ impl SubscribeOptions {
     /// `<topic>-<subscription>-DLQ`) or a
     /// [`dead_letter_policy`](Self::dead_letter_policy). When an error is
     /// both fatal and retryable, fatal wins.
+    #[must_use]
     pub fn fatal_errors(mut self, class: ErrorClass) -> Self {
         self.fatal_errors = Some(class);
         self
@@ -161,6 +174,7 @@ impl SubscribeOptions {
 
     /// Errors that republish the message to the
     /// [`retry_topic`](Self::retry_topic) with a delay; the two go together.
+    #[must_use]
     pub fn retry_errors(mut self, class: ErrorClass) -> Self {
         self.retry_errors = Some(class);
         self
@@ -169,6 +183,7 @@ impl SubscribeOptions {
     /// The topic delayed retries are published to. The dispatcher does not
     /// consume it for you: subscribe to it too, with a Shared or Key_Shared
     /// subscription so that the delays are honoured.
+    #[must_use]
     pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
         self.retry_topic = Some(topic.into());
         self
@@ -177,6 +192,7 @@ impl SubscribeOptions {
     /// The delay before retry number `n` (starting at 1); by default
     /// [`default_backoff`]. See also
     /// [`exponential_backoff`](crate::exponential_backoff).
+    #[must_use]
     pub fn retry_backoff(mut self, backoff: impl Fn(u32) -> Duration + 'static) -> Self {
         self.retry_backoff = Some(Backoff::new(backoff));
         self
@@ -185,6 +201,7 @@ impl SubscribeOptions {
     /// Dead-letter a message that fails again after this many retries
     /// (at least 1), keeping its RECONSUMETIMES. Needs a retry topic and a
     /// dead letter topic.
+    #[must_use]
     pub fn max_retries(mut self, retries: u32) -> Self {
         self.max_retries = Some(retries);
         self
@@ -192,6 +209,7 @@ impl SubscribeOptions {
 
     /// Publish what the handler returns (bytes) to this topic before the
     /// message is acked. A handler that returns nothing publishes nothing.
+    #[must_use]
     pub fn reply_topic(mut self, topic: impl Into<String>) -> Self {
         self.reply_topic = Some(topic.into());
         self
@@ -202,9 +220,32 @@ impl SubscribeOptions {
         self.retry_topic.is_some()
     }
 
+    /// Checks the options together and resolves them for `topic` (as the
+    /// user wrote it) into what the engine runs. Nothing is created, so a
+    /// refusal leaves no trace.
+    pub(crate) fn resolve(&self, topic: &str) -> Result<SubscriptionSpec, Error> {
+        let topic = full_topic_name(topic)?;
+        let routing = self.routing_policy(&topic)?;
+        Ok(SubscriptionSpec {
+            consumer: ConsumerSpec {
+                topic,
+                subscription: self.subscription.clone(),
+                subscription_type: self.subscription_type,
+                receiver_queue_size: self.receiver_queue_size,
+                consumer_name: self.consumer_name.clone(),
+                consumer_options: self.consumer_options.clone(),
+                dead_letter_policy: self.dead_letter_policy.clone(),
+                unacked_message_resend_delay: self.unacked_message_resend_delay,
+            },
+            priority: self.priority,
+            nack_delay: self.negative_ack_redelivery_delay,
+            routing,
+        })
+    }
+
     /// Checks the options together and resolves their topics for `topic`
-    /// (a full name). Nothing is created, so a refusal leaves no trace.
-    pub(crate) fn routing_policy(&self, topic: &str) -> Result<RoutingPolicy, Error> {
+    /// (a full name).
+    fn routing_policy(&self, topic: &str) -> Result<RoutingPolicy, Error> {
         let invalid = |option: &'static str, reason: &str| Error::InvalidOption {
             option,
             reason: reason.to_owned(),

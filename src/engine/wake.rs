@@ -1,0 +1,131 @@
+//! Consumer wake-ups: which subscriptions' consumers may have a message.
+//!
+//! A consumer that has nothing to give keeps the waker it was polled with
+//! and wakes it when a message arrives. Each subscription's waker records
+//! the subscription in one shared list and wakes the engine task, so that
+//! whoever dispatches next (the engine, or a worker that just finished)
+//! polls exactly the consumers that woke, never all of them. Consumers may
+//! be woken from the `pulsar` crate's own tasks, so this is the one place
+//! that uses `Send` types: an `Arc`, an atomic flag per subscription and a
+//! mutex that nobody holds for longer than a push or a swap.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Wake, Waker};
+
+use futures::task::AtomicWaker;
+
+/// Subscriptions whose consumers woke since the list was last taken, and
+/// the engine task to tell.
+#[derive(Default)]
+pub(crate) struct WokenList {
+    indices: Mutex<Vec<usize>>,
+    /// A hint that `indices` is not empty, read without the lock.
+    any: AtomicBool,
+    engine: AtomicWaker,
+}
+
+impl WokenList {
+    /// Registers the engine task's waker.
+    pub(crate) fn register_engine(&self, waker: &Waker) {
+        self.engine.register(waker);
+    }
+
+    /// Wakes the engine task.
+    pub(crate) fn wake_engine(&self) {
+        self.engine.wake();
+    }
+
+    /// Whether any subscription woke since the last [`take`](Self::take).
+    pub(crate) fn any(&self) -> bool {
+        self.any.load(Ordering::Acquire)
+    }
+
+    /// Moves the woken subscriptions into `into` (which should be empty;
+    /// swapping buffers keeps this free of allocation).
+    pub(crate) fn take(&self, into: &mut Vec<usize>) {
+        let mut indices = self
+            .indices
+            .lock()
+            .expect("the woken list is never poisoned");
+        std::mem::swap(&mut *indices, into);
+        self.any.store(false, Ordering::Release);
+    }
+
+    fn push(&self, index: usize) {
+        self.indices
+            .lock()
+            .expect("the woken list is never poisoned")
+            .push(index);
+        self.any.store(true, Ordering::Release);
+        self.engine.wake();
+    }
+}
+
+/// The waker a subscription's consumer is polled with.
+pub(crate) struct SubscriptionWaker {
+    index: usize,
+    /// Set while the subscription is in the list, so that it is listed once
+    /// however often its consumer wakes it.
+    listed: AtomicBool,
+    list: Arc<WokenList>,
+}
+
+impl SubscriptionWaker {
+    /// A waker for the subscription at `index` in the engine's table.
+    pub(crate) fn new(index: usize, list: Arc<WokenList>) -> Arc<Self> {
+        Arc::new(SubscriptionWaker {
+            index,
+            listed: AtomicBool::new(false),
+            list,
+        })
+    }
+
+    /// Called before the consumer is polled again, so that a wake-up during
+    /// or after that poll lists the subscription anew.
+    pub(crate) fn unlist(&self) {
+        self.listed.store(false, Ordering::Release);
+    }
+}
+
+impl Wake for SubscriptionWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if !self.listed.swap(true, Ordering::AcqRel) {
+            self.list.push(self.index);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_subscription_is_listed_once_until_unlisted() {
+        let list = Arc::new(WokenList::default());
+        let first = Waker::from(SubscriptionWaker::new(3, list.clone()));
+        let second_state = SubscriptionWaker::new(7, list.clone());
+        let second = Waker::from(second_state.clone());
+        assert!(!list.any());
+        first.wake_by_ref();
+        first.wake_by_ref();
+        second.wake_by_ref();
+        assert!(list.any());
+        let mut taken = Vec::new();
+        list.take(&mut taken);
+        assert_eq!(taken, [3, 7]);
+        assert!(!list.any());
+        second.wake_by_ref();
+        let mut again = Vec::new();
+        list.take(&mut again);
+        assert!(again.is_empty(), "listed until unlisted");
+        second_state.unlist();
+        second.wake_by_ref();
+        list.take(&mut again);
+        assert_eq!(again, [7]);
+    }
+}

@@ -1,0 +1,268 @@
+//! Workers: long-lived `spawn_local` tasks that run one handler's futures in
+//! place, and the [`Job`] guard that each message in flight is.
+//!
+//! Each subscribed handler has a pool of workers. A worker is spawned only
+//! when a message arrives for the handler and every worker it has is busy,
+//! so a pool never holds more workers than the concurrency limit; after
+//! that, dispatching a message allocates nothing: the handler's future lives
+//! inside the worker's own task, which is reused message after message.
+//! When a worker finishes a message it dispatches at once (permit, then the
+//! best waiting message, as the engine would) and, if that message is for
+//! its own handler, runs it in the same poll. Messages for other handlers go
+//! to their pools' idle workers. Every few messages a worker yields to the
+//! runtime, so that the broker connection's tasks and timers keep running.
+
+use std::cell::{Cell, RefCell};
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::task::{Poll, Waker};
+
+use futures::FutureExt;
+
+use super::subscription::Subscription;
+use super::{Engine, Handler, MessageBox, Pool};
+use crate::message::Message;
+use crate::outcome::{HandlerError, IntoReply, Outcome, Verdict};
+use crate::transport::Transport;
+
+/// How many messages a worker handles in one poll before it yields.
+const JOBS_PER_POLL: u32 = 32;
+
+/// The pool of workers of the handler type `F`.
+pub(crate) struct WorkerPool<T: Transport, F, R, E> {
+    /// Workers waiting for a message, most recently idle last.
+    idle: RefCell<Vec<Rc<Inbox<T>>>>,
+    closed: Cell<bool>,
+    types: PhantomData<fn(F) -> Result<R, E>>,
+}
+
+/// Where a worker waits for its next message.
+struct Inbox<T: Transport> {
+    job: Cell<Option<Job<T>>>,
+    waker: Cell<Option<Waker>>,
+}
+
+impl<T: Transport, F, R, E> WorkerPool<T, F, R, E>
+where
+    F: AsyncFn(&Message) -> Result<R, E> + 'static,
+    R: IntoReply + 'static,
+    E: Into<HandlerError> + 'static,
+{
+    pub(crate) fn new() -> Rc<Self> {
+        Rc::new(WorkerPool {
+            idle: RefCell::default(),
+            closed: Cell::new(false),
+            types: PhantomData,
+        })
+    }
+
+    /// `handler`, to be run by the workers of `pool` (a pool of this type).
+    pub(crate) fn handler(pool: Rc<dyn Pool<T>>, handler: F) -> Handler<T> {
+        Handler {
+            value: Rc::new(handler),
+            pool,
+        }
+    }
+
+    fn id(&self) -> *const () {
+        self as *const Self as *const ()
+    }
+
+    /// A worker's life: run the job it was spawned with, then every job it
+    /// picks for itself or is handed, until the pool closes.
+    async fn work(self: Rc<Self>, engine: Rc<Engine<T>>, first: Job<T>) {
+        let inbox = Rc::new(Inbox {
+            job: Cell::new(None),
+            waker: Cell::new(None),
+        });
+        let mut next = Some(first);
+        let mut in_this_poll = 0;
+        loop {
+            let mut job = match next.take() {
+                Some(job) => job,
+                None => match self.wait_for_job(&inbox).await {
+                    Some(job) => job,
+                    None => return,
+                },
+            };
+            if !job.start() && (engine.handovers_pending() || in_this_poll >= JOBS_PER_POLL) {
+                // Messages handed to other workers earlier start first, in
+                // the order they were picked; and the runtime gets a turn.
+                in_this_poll = 0;
+                tokio::task::yield_now().await;
+            }
+            self.run(job).await;
+            in_this_poll += 1;
+            next = engine.dispatch(self.id());
+        }
+    }
+
+    /// Runs the handler on the job's message where it is stored, then
+    /// settles the message by the handler's outcome.
+    async fn run(&self, job: Job<T>) {
+        let handler: &F = job.handler();
+        let handled = AssertUnwindSafe(handler(job.message()))
+            .catch_unwind()
+            .await;
+        let outcome = match handled {
+            Ok(result) => Outcome::of(result),
+            Err(panic) => Outcome::panicked(panic.as_ref()),
+        };
+        job.finish(outcome).await;
+    }
+
+    /// Waits in the idle list until a job is handed over; `None` once the
+    /// pool is closed.
+    async fn wait_for_job(&self, inbox: &Rc<Inbox<T>>) -> Option<Job<T>> {
+        if self.closed.get() {
+            return None;
+        }
+        self.idle.borrow_mut().push(inbox.clone());
+        std::future::poll_fn(|cx| {
+            if let Some(job) = inbox.job.take() {
+                return Poll::Ready(Some(job));
+            }
+            if self.closed.get() {
+                return Poll::Ready(None);
+            }
+            inbox.waker.set(Some(cx.waker().clone()));
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+impl<T: Transport, F, R, E> Pool<T> for WorkerPool<T, F, R, E>
+where
+    F: AsyncFn(&Message) -> Result<R, E> + 'static,
+    R: IntoReply + 'static,
+    E: Into<HandlerError> + 'static,
+{
+    fn assign(self: Rc<Self>, job: Job<T>) {
+        // Taken off the idle list before the job goes in, so that the pool
+        // never holds a job (and through it the engine) itself.
+        let idle = self.idle.borrow_mut().pop();
+        match idle {
+            Some(inbox) => {
+                inbox.job.set(Some(job));
+                if let Some(waker) = inbox.waker.take() {
+                    waker.wake();
+                }
+            }
+            None => {
+                let engine = job.engine.clone();
+                tokio::task::spawn_local(self.work(engine, job));
+            }
+        }
+    }
+
+    fn close(&self) {
+        self.closed.set(true);
+        for inbox in self.idle.borrow_mut().drain(..) {
+            if let Some(waker) = inbox.waker.take() {
+                waker.wake();
+            }
+        }
+    }
+}
+
+/// One dispatched message: its permit, its storage and its settlement.
+///
+/// The guard settles and releases however the message's work ends: through
+/// [`finish`](Job::finish), or by being dropped half-way (a worker's task
+/// dropped with its runtime), in which case the message is nacked and the
+/// engine woken to dispatch in the worker's place.
+pub(crate) struct Job<T: Transport> {
+    engine: Rc<Engine<T>>,
+    subscription: Rc<Subscription<T>>,
+    /// Taken back into the engine's spares when the job ends.
+    message: Option<MessageBox>,
+    /// Handed to a worker that has not started it yet.
+    handed_over: bool,
+    finished: bool,
+}
+
+impl<T: Transport> Job<T> {
+    pub(crate) fn new(
+        engine: Rc<Engine<T>>,
+        subscription: Rc<Subscription<T>>,
+        message: MessageBox,
+    ) -> Self {
+        Job {
+            engine,
+            subscription,
+            message: Some(message),
+            handed_over: false,
+            finished: false,
+        }
+    }
+
+    /// Hands the job to a worker of its handler.
+    pub(crate) fn hand_over(mut self) {
+        self.handed_over = true;
+        self.engine.handovers.set(self.engine.handovers.get() + 1);
+        self.subscription.handler.pool.clone().assign(self);
+    }
+
+    /// Marks the job started; returns whether it had been handed over.
+    fn start(&mut self) -> bool {
+        let handed_over = std::mem::take(&mut self.handed_over);
+        if handed_over {
+            self.engine.handovers.set(self.engine.handovers.get() - 1);
+        }
+        handed_over
+    }
+
+    /// The pool that runs this message's handler.
+    pub(crate) fn pool(&self) -> *const () {
+        self.subscription.handler.pool_id()
+    }
+
+    /// The handler value, as the type its pool runs.
+    fn handler<F: 'static>(&self) -> &F {
+        self.subscription
+            .handler
+            .value
+            .downcast_ref()
+            .expect("a pool runs only handlers of its own type")
+    }
+
+    fn message(&self) -> &Message {
+        self.message
+            .as_ref()
+            .expect("a job holds its message until it ends")
+            .get()
+    }
+
+    /// Routes the outcome (reply, retry, dead letter), settles the message
+    /// and returns the permit. The common path, an ack, does not await.
+    async fn finish(mut self, outcome: Outcome) {
+        let verdict = self
+            .engine
+            .route(&self.subscription, self.message(), outcome)
+            .await;
+        self.settle(verdict);
+        self.finished = true;
+    }
+
+    fn settle(&self, verdict: Verdict) {
+        let id = self.message().id();
+        if self.subscription.settle(verdict, id) {
+            self.engine.nack_held(&self.subscription);
+        }
+    }
+}
+
+impl<T: Transport> Drop for Job<T> {
+    fn drop(&mut self) {
+        self.start();
+        if !self.finished {
+            self.settle(Verdict::Nack);
+        }
+        if let Some(message) = self.message.take() {
+            self.engine.recycle(message);
+        }
+        self.engine.release_permit(!self.finished);
+    }
+}
