@@ -339,16 +339,22 @@ impl<T: Transport> Router<T> {
 
     /// The property's topic when it is trusted; the receiving
     /// subscription's own dead letter topic otherwise.
+    ///
+    /// The property is expanded like any topic name first: the Python
+    /// dispatcher stamps the name as its user wrote it (`orders-sub-DLQ`),
+    /// which is the same topic as its full form.
     fn dead_letter_destination(&self, policy: &RoutingPolicy, message: &Message) -> Option<String> {
         let own = policy.dead_letter_topic.clone();
         let Some(named) = message.property(DEAD_LETTER_TOPIC) else {
             return own;
         };
-        let trusted = self.targets.any
-            || self.targets.allowed.contains(named)
-            || self.known_dead_letter_topics.borrow().contains(named);
-        if trusted {
-            return Some(named.to_owned());
+        if let Ok(full) = full_topic_name(named) {
+            let trusted = self.targets.any
+                || self.targets.allowed.contains(&full)
+                || self.known_dead_letter_topics.borrow().contains(&full);
+            if trusted {
+                return Some(full);
+            }
         }
         warn!(
             topic = %message.topic(),
@@ -650,6 +656,38 @@ mod tests {
         assert_eq!(
             trusting.dead_letter_destination(&own, &forged).as_deref(),
             Some("persistent://public/default/elsewhere")
+        );
+    }
+
+    #[test]
+    fn a_dead_letter_topic_property_with_a_short_name_is_expanded_before_the_trust_check() {
+        let router: Router<MemoryTransport> = Router::new(DeadLetterTargets::known());
+        router.register(&RoutingPolicy {
+            dead_letter_topic: Some("persistent://public/default/orders-orders-sub-DLQ".into()),
+            ..Default::default()
+        });
+        let own = RoutingPolicy {
+            dead_letter_topic: Some("persistent://public/default/retry-sub-DLQ".into()),
+            ..Default::default()
+        };
+        // As the Python dispatcher stamps it: the name its user wrote.
+        let short = message(&[(DEAD_LETTER_TOPIC, "orders-orders-sub-DLQ")]);
+        assert_eq!(
+            router.dead_letter_destination(&own, &short).as_deref(),
+            Some("persistent://public/default/orders-orders-sub-DLQ")
+        );
+        let allowing: Router<MemoryTransport> =
+            Router::new(DeadLetterTargets::known().allow("audit-DLQ").unwrap());
+        let allowed = message(&[(DEAD_LETTER_TOPIC, "public/default/audit-DLQ")]);
+        assert_eq!(
+            allowing.dead_letter_destination(&own, &allowed).as_deref(),
+            Some("persistent://public/default/audit-DLQ")
+        );
+        let malformed = message(&[(DEAD_LETTER_TOPIC, "a//b")]);
+        assert_eq!(
+            router.dead_letter_destination(&own, &malformed).as_deref(),
+            Some("persistent://public/default/retry-sub-DLQ"),
+            "a malformed name is not trusted"
         );
     }
 
