@@ -113,6 +113,7 @@ pub struct TopicFamily<L: PriorityLevel, S: PriorityLevel = NoSublevels> {
 
 /// One member of a [`TopicFamily`].
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FamilyTopic {
     /// `<prefix>_<level>[_<sublevel>]`, as short topic name.
     pub name: String,

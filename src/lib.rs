@@ -10,7 +10,7 @@
 //!   turns. Priority is decided when capacity frees up, and a running
 //!   handler is never preempted.
 //! - **Backpressure per subscription**: each subscription holds at most one
-//!   message waiting for dispatch, and its reader asks the broker for the
+//!   message waiting for dispatch, and its consumer asks the broker for the
 //!   next one only when that slot is empty. With the default receiver queue
 //!   of 1, a slow subscription's backlog stays on the broker.
 //! - **One concurrency limit** across all subscriptions (20 by default).
@@ -86,14 +86,15 @@
 //!   implementations.
 //! - [`routing`]: what happens after a handler returns: replies, delayed
 //!   retries, dead letters, and the properties they carry.
+//! - The engine (private): refills slots from consumers, dispatches to
+//!   workers that run handlers in place, settles, and shuts down.
+//! - [`Dispatcher`], [`SubscribeOptions`], [`TopicFamily`] and
+//!   [`ErrorClass`]: the public API.
 //! - [`per_core`]: one dispatcher per core, with one shutdown for all.
-//! - The dispatcher itself ([`Dispatcher`]): readers that own consumers, one
-//!   task per message that settles it, and the lifecycle that shuts
-//!   everything down; [`TopicFamily`] and [`ErrorClass`] configure it.
 //!
 //! `docs/architecture.md` in the repository walks through the data path and
 //! its invariants.
-#![warn(missing_docs)]
+#![warn(missing_docs, missing_debug_implementations)]
 
 mod backoff;
 mod classify;

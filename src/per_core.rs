@@ -101,6 +101,15 @@ pub struct PerCore {
     shutdown: Shutdown,
 }
 
+impl std::fmt::Debug for PerCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PerCore")
+            .field("dispatchers", &self.workers.len())
+            .field("shut_down", &self.shutdown.is_shutdown())
+            .finish()
+    }
+}
+
 impl PerCore {
     /// Starts `cores` worker threads. Worker `i` builds a `current_thread`
     /// runtime (with I/O and time) and a `LocalSet`, awaits `factory(i)`

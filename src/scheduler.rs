@@ -64,6 +64,19 @@ pub struct Scheduler<M> {
     closed: bool,
 }
 
+impl<M> std::fmt::Debug for Scheduler<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("subscriptions", &self.subscriptions.len())
+            .field("priorities", &self.buckets.len())
+            .field("waiting", &self.waiting)
+            .field("in_flight", &self.in_flight())
+            .field("concurrency", &self.concurrency)
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
 impl<M> Scheduler<M> {
     /// A scheduler that lets at most `concurrency` messages be in flight.
     pub fn new(concurrency: NonZeroUsize) -> Self {

@@ -349,6 +349,24 @@ impl Transport for MemoryTransport {
     }
 }
 
+impl std::fmt::Debug for MemoryTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut topics: Vec<_> = self
+            .broker
+            .topics
+            .borrow()
+            .values()
+            .map(|topic| topic.name.clone())
+            .collect();
+        topics.sort();
+        topics.dedup();
+        f.debug_struct("MemoryTransport")
+            .field("topics", &topics)
+            .field("closed", &self.broker.closed.get())
+            .finish()
+    }
+}
+
 /// A consumer of the in-memory transport.
 pub struct MemoryConsumer {
     topic: Rc<Topic>,
@@ -454,10 +472,27 @@ impl Drop for MemoryConsumer {
     }
 }
 
+impl std::fmt::Debug for MemoryConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryConsumer")
+            .field("topic", &self.topic.name)
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
 /// A producer of the in-memory transport.
 pub struct MemoryProducer {
     transport: MemoryTransport,
     topic: Rc<Topic>,
+}
+
+impl std::fmt::Debug for MemoryProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryProducer")
+            .field("topic", &self.topic.name)
+            .finish()
+    }
 }
 
 impl Producer for MemoryProducer {

@@ -74,8 +74,10 @@ impl ConsumerSpec {
     }
 }
 
-/// A message to publish: the fields a faithful republish needs.
+/// A message to publish: the fields a faithful republish needs. Build one
+/// with [`OutgoingMessage::new`] and set the fields that apply.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OutgoingMessage {
     /// The message body.
     pub payload: Vec<u8>,

@@ -41,6 +41,14 @@ pub struct PulsarTransport {
     brokers: Rc<BrokerSockets>,
 }
 
+impl std::fmt::Debug for PulsarTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PulsarTransport")
+            .field("open", &self.client.borrow().is_some())
+            .finish()
+    }
+}
+
 impl PulsarTransport {
     /// Connects with a builder the caller has configured (authentication,
     /// TLS, retry options, ...).
@@ -188,6 +196,15 @@ pub struct PulsarConsumer {
     next_partition: usize,
     batches: BatchSettlements,
     brokers: Rc<BrokerSockets>,
+}
+
+impl std::fmt::Debug for PulsarConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let topics: Vec<&str> = self.partitions.iter().map(|p| &*p.topic).collect();
+        f.debug_struct("PulsarConsumer")
+            .field("topics", &topics)
+            .finish()
+    }
 }
 
 /// One partition (or a whole non-partitioned topic) and its consumer.
@@ -457,6 +474,12 @@ async fn close_consumer(
 /// A producer of the Pulsar transport.
 pub struct PulsarProducer {
     producer: tokio::sync::Mutex<pulsar::Producer<TokioExecutor>>,
+}
+
+impl std::fmt::Debug for PulsarProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PulsarProducer").finish_non_exhaustive()
+    }
 }
 
 impl Producer for PulsarProducer {
