@@ -28,6 +28,43 @@ use std::rc::Rc;
 /// assert!(class.matches(&WarehouseError(ServiceUnavailable)));
 /// assert!(!class.matches(&std::fmt::Error));
 /// ```
+///
+/// # Errors wrapped with `#[error(transparent)]`
+///
+/// A `thiserror` variant marked `#[error(transparent)]` forwards both
+/// `Display` and `source()` to the error it wraps, so that error itself is
+/// never in the chain: `ErrorClass::of::<Inner>()` cannot see it. Either
+/// wrap it as a source (`#[error("...")] Variant(#[from] Inner)`), which
+/// keeps it in the chain, or match the variant of your own enum:
+///
+/// ```
+/// use pulsar_dispatcher::ErrorClass;
+///
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("service unavailable")]
+/// struct ServiceUnavailable;
+///
+/// #[derive(Debug, thiserror::Error)]
+/// enum Transparent {
+///     #[error(transparent)]
+///     Busy(#[from] ServiceUnavailable),
+/// }
+///
+/// #[derive(Debug, thiserror::Error)]
+/// enum Sourced {
+///     #[error("the warehouse is busy")]
+///     Busy(#[from] ServiceUnavailable),
+/// }
+///
+/// let by_type = ErrorClass::of::<ServiceUnavailable>();
+/// assert!(!by_type.matches(&Transparent::Busy(ServiceUnavailable)));
+/// assert!(by_type.matches(&Sourced::Busy(ServiceUnavailable)));
+///
+/// let by_variant = ErrorClass::matching(|error| {
+///     matches!(error.downcast_ref::<Transparent>(), Some(Transparent::Busy(_)))
+/// });
+/// assert!(by_variant.matches(&Transparent::Busy(ServiceUnavailable)));
+/// ```
 #[derive(Clone)]
 pub struct ErrorClass {
     matches: Rc<Predicate>,

@@ -12,12 +12,13 @@
 
 use std::num::NonZeroUsize;
 use std::rc::{Rc, Weak};
+use std::time::Duration;
 
 use pulsar::{PulsarBuilder, TokioExecutor};
 use tracing::debug;
 
 use crate::engine::{DispatcherStats, Engine, Lifecycle};
-use crate::error::Error;
+use crate::error::{checked_duration, Error};
 use crate::family::{PriorityLevel, TopicFamily};
 use crate::message::Message;
 use crate::options::SubscribeOptions;
@@ -27,6 +28,10 @@ use crate::transport::{PulsarTransport, Transport};
 
 /// The concurrency limit unless told otherwise.
 pub const DEFAULT_CONCURRENCY: usize = 20;
+
+/// How many times [`DispatcherBuilder::connect`] lets the `pulsar` crate
+/// retry an operation the broker answered with a retryable error.
+pub const CONNECT_OPERATION_RETRIES: u32 = 12;
 
 /// Configures and creates a [`Dispatcher`].
 ///
@@ -46,6 +51,7 @@ pub struct DispatcherBuilder {
     concurrency: usize,
     retry_topic_check: RetryTopicCheck,
     dead_letter_targets: DeadLetterTargets,
+    shutdown_timeout: Option<Duration>,
 }
 
 impl Default for DispatcherBuilder {
@@ -54,6 +60,7 @@ impl Default for DispatcherBuilder {
             concurrency: DEFAULT_CONCURRENCY,
             retry_topic_check: RetryTopicCheck::default(),
             dead_letter_targets: DeadLetterTargets::default(),
+            shutdown_timeout: None,
         }
     }
 }
@@ -81,11 +88,31 @@ impl DispatcherBuilder {
         self
     }
 
+    /// How long any shutdown may wait for running handlers (none by
+    /// default: it waits for them). Past it, the handlers still running are
+    /// cancelled (their futures dropped) and their messages nacked, messages
+    /// still waiting are nacked, the consumers and the connection are closed
+    /// all the same, and `run()` returns
+    /// [`Error::HandlersCancelled`]. [`CloseHandle::close_within`] sets a
+    /// deadline for one shutdown.
+    pub fn shutdown_timeout(mut self, limit: Duration) -> Self {
+        self.shutdown_timeout = Some(limit);
+        self
+    }
+
     /// Connects to Pulsar at `url` with the `pulsar` crate's default client
-    /// settings.
+    /// settings, except that operations the broker answers with a
+    /// retryable error ("service not ready", "consumer busy", ...) are
+    /// retried at most 12 times (5 s apart) rather than for ever.
     pub async fn connect(self, url: &str) -> Result<Dispatcher<PulsarTransport>, Error> {
-        self.connect_with(pulsar::Pulsar::builder(url, TokioExecutor))
-            .await
+        let retries = pulsar::OperationRetryOptions {
+            max_retries: Some(CONNECT_OPERATION_RETRIES),
+            ..Default::default()
+        };
+        self.connect_with(
+            pulsar::Pulsar::builder(url, TokioExecutor).with_operation_retry_options(retries),
+        )
+        .await
     }
 
     /// Connects with a `pulsar` client builder configured by the caller:
@@ -108,6 +135,7 @@ impl DispatcherBuilder {
         client: PulsarBuilder<TokioExecutor>,
     ) -> Result<Dispatcher<PulsarTransport>, Error> {
         let concurrency = self.checked_concurrency()?;
+        self.checked_shutdown_timeout()?;
         let transport = PulsarTransport::from_builder(client)
             .await
             .map_err(Error::Connect)?;
@@ -118,6 +146,7 @@ impl DispatcherBuilder {
     /// [`MemoryTransport`](crate::transport::MemoryTransport) in tests.
     pub fn build<T: Transport>(self, transport: T) -> Result<Dispatcher<T>, Error> {
         let concurrency = self.checked_concurrency()?;
+        self.checked_shutdown_timeout()?;
         Ok(self.dispatcher(transport, concurrency))
     }
 
@@ -128,12 +157,20 @@ impl DispatcherBuilder {
                 concurrency,
                 self.retry_topic_check,
                 self.dead_letter_targets,
+                self.shutdown_timeout,
             )),
         }
     }
 
     fn checked_concurrency(&self) -> Result<NonZeroUsize, Error> {
         NonZeroUsize::new(self.concurrency).ok_or(Error::ZeroConcurrency)
+    }
+
+    fn checked_shutdown_timeout(&self) -> Result<(), Error> {
+        if let Some(limit) = self.shutdown_timeout {
+            checked_duration("shutdown_timeout", limit, false)?;
+        }
+        Ok(())
     }
 }
 
@@ -288,9 +325,12 @@ impl<T: Transport> Dispatcher<T> {
         let stop_if_dropped = StopOnDrop(&*self.engine);
         self.engine.wait_closed().await;
         std::mem::forget(stop_if_dropped);
-        match self.engine.take_failure() {
-            Some(failure) => Err(failure),
-            None => Ok(()),
+        if let Some(failure) = self.engine.take_failure() {
+            return Err(failure);
+        }
+        match self.engine.cancelled() {
+            0 => Ok(()),
+            cancelled => Err(Error::HandlersCancelled { cancelled }),
         }
     }
 
@@ -303,6 +343,14 @@ impl<T: Transport> Dispatcher<T> {
     /// closes the connection and leaves every message with the broker.
     pub async fn close(&self) {
         self.engine.close().await
+    }
+
+    /// Like [`close`](Self::close), but cancels the handlers still running
+    /// after `limit` (their messages are nacked) and closes all the same;
+    /// returns how many handlers were cancelled. A limit beyond
+    /// [`MAX_DURATION`](crate::MAX_DURATION) counts as none.
+    pub async fn close_within(&self, limit: Duration) -> usize {
+        self.engine.close_within(limit).await
     }
 }
 
@@ -345,6 +393,15 @@ impl CloseHandle {
     pub async fn close(&self) {
         if let Some(engine) = self.engine.upgrade() {
             engine.close_dyn().await
+        }
+    }
+
+    /// The same as [`Dispatcher::close_within`]; 0 if the dispatcher is
+    /// gone.
+    pub async fn close_within(&self, limit: Duration) -> usize {
+        match self.engine.upgrade() {
+            Some(engine) => engine.close_within_dyn(limit).await,
+            None => 0,
         }
     }
 

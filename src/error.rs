@@ -5,7 +5,33 @@
 //! They sit at the bottom of the crate: every other module may use them,
 //! and they use nothing of the crate but each other.
 
+use std::time::Duration;
+
 use pulsar::SubType;
+
+/// The longest any duration option may be (a year): longer ones are
+/// refused with [`Error::InvalidOption`] rather than left to overflow a
+/// clock.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// `duration`, if it is within [`MAX_DURATION`] (and not zero, unless
+/// `zero_allowed`); an error naming `option` otherwise.
+pub(crate) fn checked_duration(
+    option: &'static str,
+    duration: Duration,
+    zero_allowed: bool,
+) -> Result<Duration, Error> {
+    let invalid = |reason: String| Error::InvalidOption { option, reason };
+    if duration.is_zero() && !zero_allowed {
+        return Err(invalid("must be longer than zero".into()));
+    }
+    if duration > MAX_DURATION {
+        return Err(invalid(format!(
+            "{duration:?} is longer than the {MAX_DURATION:?} allowed"
+        )));
+    }
+    Ok(duration)
+}
 
 /// A failure reported by a transport.
 #[derive(Debug, thiserror::Error)]
@@ -101,19 +127,59 @@ pub enum Error {
         #[source]
         source: TransportError,
     },
+    /// The broker did not create the consumer (or the producers it
+    /// publishes with) within the subscription's `subscribe_timeout`, for
+    /// example because another consumer holds an Exclusive subscription.
+    #[error("subscribing to {topic} (subscription {}) took over {waited:?}", subscription.as_deref().unwrap_or("<generated>"))]
+    SubscribeTimeout {
+        /// The full topic name.
+        topic: String,
+        /// The subscription name, if one was given.
+        subscription: Option<String>,
+        /// How long `subscribe` waited.
+        waited: std::time::Duration,
+    },
+    /// A producer for a subscription's retry, dead letter or reply topic
+    /// could not be created.
+    #[error("creating a producer for {topic} failed")]
+    Producer {
+        /// The full name of the topic to publish to.
+        topic: String,
+        /// The transport's error.
+        #[source]
+        source: TransportError,
+    },
     /// A consumer's stream ended while the dispatcher was running.
     #[error("the consumer of {topic} stopped delivering messages")]
     ConsumerEnded {
         /// The full topic name.
         topic: String,
     },
-    /// A reader task ended abnormally (it panicked or was cancelled).
-    #[error("the reader of {topic} failed: {reason}")]
-    ReaderFailed {
+    /// A consumer kept returning errors for longer than its
+    /// `receive_failure_limit`.
+    #[error("receiving from {topic} kept failing for {failing_for:?}: {last_error}")]
+    ConsumerFailing {
         /// The full topic name.
         topic: String,
+        /// How long it had been failing.
+        failing_for: std::time::Duration,
+        /// The last error, as text.
+        last_error: String,
+    },
+    /// One of the dispatcher's own tasks failed (a bug): the dispatcher was
+    /// shut down.
+    #[error("the dispatcher's engine failed: {reason}")]
+    EngineFailed {
         /// What happened.
         reason: String,
+    },
+    /// Shutdown passed its deadline (`shutdown_timeout` or `close_within`)
+    /// and cancelled handlers that were still running; their messages were
+    /// nacked.
+    #[error("shutdown cancelled {cancelled} handler(s) still running at its deadline")]
+    HandlersCancelled {
+        /// How many handlers were cancelled.
+        cancelled: usize,
     },
     /// `run()` refused to start because of retry topic problems (see
     /// [`RetryTopicCheck::Refuse`](crate::RetryTopicCheck::Refuse)).

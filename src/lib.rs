@@ -113,12 +113,17 @@ pub mod transport;
 
 pub use backoff::{default_backoff, exponential_backoff};
 pub use classify::ErrorClass;
-pub use dispatcher::{CloseHandle, Dispatcher, DispatcherBuilder, DEFAULT_CONCURRENCY};
+pub use dispatcher::{
+    CloseHandle, Dispatcher, DispatcherBuilder, CONNECT_OPERATION_RETRIES, DEFAULT_CONCURRENCY,
+};
 pub use engine::{DispatcherStats, SubscriptionStats};
-pub use error::{Error, RetryTopicProblem, TransportError};
+pub use error::{Error, RetryTopicProblem, TransportError, MAX_DURATION};
 pub use family::{FamilyTopic, NoSublevels, PriorityLevel, TopicFamily};
 pub use message::{Message, MessageId};
-pub use options::{SubscribeOptions, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY, DEFAULT_PRIORITY};
+pub use options::{
+    SubscribeOptions, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY, DEFAULT_PRIORITY,
+    DEFAULT_RECEIVE_FAILURE_LIMIT, DEFAULT_SUBSCRIBE_TIMEOUT,
+};
 pub use outcome::{HandlerError, IntoReply, SubscriptionInfo};
 /// The `pulsar` crate at the version this crate uses, so that its types
 /// (client builder, consumer options, dead letter policy) can be named

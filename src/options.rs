@@ -15,7 +15,7 @@ use pulsar::{ConsumerOptions, SubType};
 use crate::backoff::{default_backoff, Backoff};
 use crate::classify::ErrorClass;
 use crate::engine::SubscriptionSpec;
-use crate::error::Error;
+use crate::error::{checked_duration, Error};
 use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::topic::full_topic_name;
 use crate::transport::ConsumerSpec;
@@ -26,6 +26,13 @@ pub const DEFAULT_PRIORITY: i64 = 100;
 /// How long a failed message waits before it is redelivered, unless told
 /// otherwise; the same default as Pulsar's Java, C++ and Python clients.
 pub const DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY: Duration = Duration::from_secs(60);
+
+/// How long `subscribe` waits for the broker unless told otherwise.
+pub const DEFAULT_SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a consumer may keep failing to receive before the dispatcher
+/// stops with an error, unless told otherwise.
+pub const DEFAULT_RECEIVE_FAILURE_LIMIT: Duration = Duration::from_secs(60);
 
 /// Options for one subscription.
 ///
@@ -50,6 +57,9 @@ pub struct SubscribeOptions {
     consumer_options: ConsumerOptions,
     dead_letter_policy: Option<DeadLetterPolicy>,
     unacked_message_resend_delay: Option<Duration>,
+    processing_timeout: Option<Duration>,
+    subscribe_timeout: Duration,
+    receive_failure_limit: Duration,
     fatal_errors: Option<ErrorClass>,
     retry_errors: Option<ErrorClass>,
     retry_topic: Option<String>,
@@ -70,6 +80,9 @@ impl Default for SubscribeOptions {
             consumer_options: ConsumerOptions::default(),
             dead_letter_policy: None,
             unacked_message_resend_delay: None,
+            processing_timeout: None,
+            subscribe_timeout: DEFAULT_SUBSCRIBE_TIMEOUT,
+            receive_failure_limit: DEFAULT_RECEIVE_FAILURE_LIMIT,
             fatal_errors: None,
             retry_errors: None,
             retry_topic: None,
@@ -215,6 +228,40 @@ impl SubscribeOptions {
         self
     }
 
+    /// The longest a handler may run on one message. Past it, the handler's
+    /// future is dropped (so it stops at its next `.await`), the message is
+    /// treated as a retryable failure (republished to the retry topic when
+    /// there is one, nacked otherwise), its permit is freed, and a warning
+    /// names the topic, the message id and the deadline. Off by default.
+    #[must_use]
+    pub fn processing_timeout(mut self, limit: Duration) -> Self {
+        self.processing_timeout = Some(limit);
+        self
+    }
+
+    /// How long `subscribe` waits for the broker to create the consumer and
+    /// the producers the subscription publishes with (30 s by default).
+    /// The broker answers a subscription that another consumer holds
+    /// exclusively with "consumer busy", which the `pulsar` crate retries;
+    /// past this limit, `subscribe` fails with
+    /// [`Error::SubscribeTimeout`](crate::Error::SubscribeTimeout).
+    #[must_use]
+    pub fn subscribe_timeout(mut self, limit: Duration) -> Self {
+        self.subscribe_timeout = limit;
+        self
+    }
+
+    /// How long the consumer may keep returning errors instead of messages
+    /// before the dispatcher stops and `run()` returns
+    /// [`Error::ConsumerFailing`](crate::Error::ConsumerFailing) (60 s by
+    /// default). Until then, receiving is retried with a growing delay
+    /// (10 ms doubling to 5 s) and the errors are logged at most every 10 s.
+    #[must_use]
+    pub fn receive_failure_limit(mut self, limit: Duration) -> Self {
+        self.receive_failure_limit = limit;
+        self
+    }
+
     /// Whether a retry topic has been set.
     pub(crate) fn has_retry_topic(&self) -> bool {
         self.retry_topic.is_some()
@@ -226,6 +273,22 @@ impl SubscribeOptions {
     pub(crate) fn resolve(&self, topic: &str) -> Result<SubscriptionSpec, Error> {
         let topic = full_topic_name(topic)?;
         let routing = self.routing_policy(&topic)?;
+        let nack_delay = checked_duration(
+            "negative_ack_redelivery_delay",
+            self.negative_ack_redelivery_delay,
+            true,
+        )?;
+        if let Some(delay) = self.unacked_message_resend_delay {
+            checked_duration("unacked_message_resend_delay", delay, false)?;
+        }
+        let processing_timeout = self
+            .processing_timeout
+            .map(|limit| checked_duration("processing_timeout", limit, false))
+            .transpose()?;
+        let subscribe_timeout =
+            checked_duration("subscribe_timeout", self.subscribe_timeout, false)?;
+        let receive_failure_limit =
+            checked_duration("receive_failure_limit", self.receive_failure_limit, false)?;
         Ok(SubscriptionSpec {
             consumer: ConsumerSpec {
                 topic,
@@ -238,7 +301,10 @@ impl SubscribeOptions {
                 unacked_message_resend_delay: self.unacked_message_resend_delay,
             },
             priority: self.priority,
-            nack_delay: self.negative_ack_redelivery_delay,
+            nack_delay,
+            processing_timeout,
+            subscribe_timeout,
+            receive_failure_limit,
             routing,
         })
     }

@@ -40,6 +40,23 @@ pub(crate) enum Outcome {
     Succeeded(Option<Vec<u8>>),
     Failed(HandlerError),
     Panicked(String),
+    /// Still running at its subscription's processing deadline, and
+    /// dropped.
+    TimedOut(Deadline),
+}
+
+/// A processing deadline that passed, as logged.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadline(pub(crate) std::time::Duration);
+
+impl std::fmt::Display for Deadline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "still running after its processing deadline of {:?}",
+            self.0
+        )
+    }
 }
 
 impl Outcome {
@@ -53,13 +70,17 @@ impl Outcome {
 
     /// The outcome of a handler that panicked with `payload`.
     pub(crate) fn panicked(payload: &(dyn std::any::Any + Send)) -> Self {
-        let text = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "non-string panic payload".into());
-        Outcome::Panicked(text)
+        Outcome::Panicked(panic_text(payload))
     }
+}
+
+/// The message of a panic, when it has one.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
 }
 
 /// What the broker is told about a handled message.

@@ -199,17 +199,24 @@ impl RoutingPolicy {
             return Route::DeadLetter;
         }
         match &self.retry {
-            Some(retry) if retry.errors.matches(error) => {
-                let exhausted = retry
-                    .max_retries
-                    .is_some_and(|max| reconsume_times(message) >= max);
-                if exhausted {
-                    Route::DeadLetter
-                } else {
-                    Route::Retry
-                }
-            }
+            Some(retry) if retry.errors.matches(error) => self.retry_route(message),
             _ => Route::Nack,
+        }
+    }
+
+    /// A retry, or a dead letter once the retries are used up; a nack
+    /// without a retry topic.
+    fn retry_route(&self, message: &Message) -> Route {
+        let Some(retry) = &self.retry else {
+            return Route::Nack;
+        };
+        let exhausted = retry
+            .max_retries
+            .is_some_and(|max| reconsume_times(message) >= max);
+        if exhausted {
+            Route::DeadLetter
+        } else {
+            Route::Retry
         }
     }
 }
@@ -243,6 +250,30 @@ impl<T: Transport> Router<T> {
         self.producers.close_all().await
     }
 
+    /// Creates (or finds) the producers `policy` publishes with, so that a
+    /// topic the broker refuses fails at subscribe. On failure, the topic
+    /// and the transport's error.
+    pub(crate) async fn prepare(
+        &self,
+        transport: &T,
+        policy: &RoutingPolicy,
+    ) -> Result<(), (String, TransportError)> {
+        let retry = policy.retry.as_ref().map(|retry| &retry.topic);
+        for topic in [
+            retry,
+            policy.dead_letter_topic.as_ref(),
+            policy.reply_topic.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if let Err(error) = self.producers.producer(transport, topic).await {
+                return Err((topic.clone(), error));
+            }
+        }
+        Ok(())
+    }
+
     /// Publishes a reply, retry or dead letter, and gives the verdict its
     /// result calls for. Boxed: it is the rare path, and keeping its state
     /// out of every message's task keeps those tasks small.
@@ -271,7 +302,7 @@ impl<T: Transport> Router<T> {
         outcome: Outcome,
     ) -> Action {
         let (topic, id) = (message.topic(), message.id());
-        let error = match outcome {
+        let failure = match outcome {
             Outcome::Succeeded(reply) => {
                 return match (&policy.reply_topic, reply) {
                     (Some(reply_topic), Some(reply)) => Action::Publish(Publish {
@@ -286,9 +317,16 @@ impl<T: Transport> Router<T> {
                 error!(%topic, message_id = %id, %panic, "handler panicked; nacking");
                 return Action::Settle(Verdict::Nack);
             }
-            Outcome::Failed(error) => error,
+            failure => failure,
         };
-        match policy.classify(error.as_ref(), message) {
+        let (route, error): (Route, &dyn std::fmt::Display) = match &failure {
+            Outcome::Failed(error) => (policy.classify(error.as_ref(), message), error),
+            // A handler that ran out of time failed in a way worth trying
+            // again later, whatever its error would have been.
+            Outcome::TimedOut(deadline) => (policy.retry_route(message), deadline),
+            Outcome::Succeeded(_) | Outcome::Panicked(_) => unreachable!("returned above"),
+        };
+        match route {
             Route::Nack => {
                 warn!(%topic, message_id = %id, %error, "handler failed; nacking");
                 Action::Settle(Verdict::Nack)
@@ -449,11 +487,20 @@ impl<T: Transport> Producers<T> {
         topic: &str,
         message: OutgoingMessage,
     ) -> Result<(), TransportError> {
+        let cell = self.producer(transport, topic).await?;
+        cell.get().expect("created").send(message).await
+    }
+
+    /// The topic's producer, created on first use.
+    async fn producer(
+        &self,
+        transport: &T,
+        topic: &str,
+    ) -> Result<Rc<OnceCell<T::Producer>>, TransportError> {
         let cell = self.cell(topic);
-        let producer = cell
-            .get_or_try_init(|| transport.create_producer(topic))
+        cell.get_or_try_init(|| transport.create_producer(topic))
             .await?;
-        producer.send(message).await
+        Ok(cell)
     }
 
     fn cell(&self, topic: &str) -> Rc<OnceCell<T::Producer>> {

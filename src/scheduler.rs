@@ -191,6 +191,12 @@ impl<M> Scheduler<M> {
         Some((key, message))
     }
 
+    /// Takes the best waiting message without a permit (to give it back
+    /// when the dispatcher gives up on it).
+    pub fn take_waiting(&mut self) -> Option<(SubscriptionKey, M)> {
+        self.pick()
+    }
+
     /// Returns the permit of a message whose processing has finished.
     pub fn release_permit(&mut self) {
         assert!(self.available < self.concurrency, "permit released twice");

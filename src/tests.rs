@@ -672,4 +672,5 @@ fn stats_count_outcomes_and_settlements_the_transport_refused() {
     });
 }
 
+mod hardening;
 mod routing;

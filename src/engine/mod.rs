@@ -29,12 +29,15 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::{poll_fn, Future};
 use std::num::NonZeroUsize;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use futures::future::LocalBoxFuture;
+use futures::FutureExt;
 use slab::Slab;
 use tokio::sync::Notify;
 use tokio::time::{sleep_until, Instant, Sleep};
@@ -45,12 +48,12 @@ pub(crate) use self::subscription::SubscriptionSpec;
 use self::worker::WorkerPool;
 
 use self::stats::bump;
-use self::subscription::Subscription;
+use self::subscription::{Received, Subscription};
 use self::wake::WokenList;
 use self::worker::Job;
-use crate::error::Error;
+use crate::error::{Error, MAX_DURATION};
 use crate::message::Message;
-use crate::outcome::{HandlerError, IntoReply, Outcome, SubscriptionInfo, Verdict};
+use crate::outcome::{panic_text, HandlerError, IntoReply, Outcome, SubscriptionInfo, Verdict};
 use crate::routing::{
     retry_topic_problems, Action, DeadLetterTargets, PublishKind, RetryTopicCheck, Router,
 };
@@ -111,6 +114,9 @@ pub(crate) trait Pool<T: Transport> {
 
     /// Lets the workers end: idle ones at once, busy ones after their job.
     fn close(&self);
+
+    /// Drops every worker's task, busy or idle (the shutdown deadline).
+    fn cancel(&self);
 }
 
 /// A subscription's handler: the value the user gave, and the pool whose
@@ -153,9 +159,18 @@ pub(crate) struct Engine<T: Transport> {
     spares: RefCell<Vec<MessageBox>>,
     /// Jobs handed to a worker that has not started them yet.
     handovers: Cell<usize>,
-    /// Subscriptions holding nacks back, and the one timer for all of them.
-    holding_nacks: RefCell<Vec<Rc<Subscription<T>>>>,
-    nack_timer: RefCell<Option<Pin<Box<Sleep>>>>,
+    /// Subscriptions with something due later (held nacks, a receive to
+    /// retry), and the one timer for all of them and the shutdown deadline.
+    timed: RefCell<Vec<Rc<Subscription<T>>>>,
+    timer: RefCell<Option<Pin<Box<Sleep>>>>,
+    /// How long shutdown may wait for handlers before cancelling them.
+    shutdown_timeout: Option<Duration>,
+    /// When a shutdown under way cancels the handlers still running.
+    stop_deadline: Cell<Option<Instant>>,
+    /// Set once the handlers of a shutdown past its deadline are cancelled.
+    cancelling: Cell<bool>,
+    /// Handlers cancelled by the shutdown deadline.
+    cancelled: Cell<usize>,
     phase: Cell<Phase>,
     /// The first unexpected failure; `run()` returns it.
     failure: RefCell<Option<Error>>,
@@ -166,12 +181,17 @@ pub(crate) struct Engine<T: Transport> {
 /// type.
 pub(crate) trait Lifecycle {
     fn close_dyn(self: Rc<Self>) -> LocalBoxFuture<'static, ()>;
+    fn close_within_dyn(self: Rc<Self>, limit: Duration) -> LocalBoxFuture<'static, usize>;
     fn stats(&self) -> DispatcherStats;
 }
 
 impl<T: Transport> Lifecycle for Engine<T> {
     fn close_dyn(self: Rc<Self>) -> LocalBoxFuture<'static, ()> {
         Box::pin(async move { self.close().await })
+    }
+
+    fn close_within_dyn(self: Rc<Self>, limit: Duration) -> LocalBoxFuture<'static, usize> {
+        Box::pin(async move { self.close_within(limit).await })
     }
 
     fn stats(&self) -> DispatcherStats {
@@ -188,6 +208,7 @@ impl<T: Transport> Engine<T> {
         concurrency: NonZeroUsize,
         retry_topic_check: RetryTopicCheck,
         dead_letter_targets: DeadLetterTargets,
+        shutdown_timeout: Option<Duration>,
     ) -> Self {
         Engine {
             transport,
@@ -200,8 +221,12 @@ impl<T: Transport> Engine<T> {
             woken_buffer: RefCell::default(),
             spares: RefCell::default(),
             handovers: Cell::new(0),
-            holding_nacks: RefCell::default(),
-            nack_timer: RefCell::default(),
+            timed: RefCell::default(),
+            timer: RefCell::default(),
+            shutdown_timeout,
+            stop_deadline: Cell::new(None),
+            cancelling: Cell::new(false),
+            cancelled: Cell::new(0),
             phase: Cell::new(Phase::Idle),
             failure: RefCell::default(),
             closed: Notify::new(),
@@ -262,14 +287,11 @@ impl<T: Transport> Engine<T> {
         self.accepting_subscriptions(&first_topic)?;
         let mut consumers = Vec::with_capacity(specs.len());
         for spec in &specs {
-            match self.transport.subscribe(&spec.consumer).await {
+            match self.create(spec).await {
                 Ok(consumer) => consumers.push(consumer),
-                Err(source) => {
+                Err(error) => {
                     close_consumers::<T>(consumers, "of a failed subscribe").await;
-                    return Err(Error::Subscribe {
-                        topic: spec.consumer.topic.clone(),
-                        source,
-                    });
+                    return Err(error);
                 }
             }
         }
@@ -288,6 +310,42 @@ impl<T: Transport> Engine<T> {
             self.register(spec, consumer, handler.clone());
         }
         Ok(())
+    }
+
+    /// Creates a subscription's consumer and the producers it publishes
+    /// with (so that a topic the broker refuses fails `subscribe`, not every
+    /// message later), within the subscription's time limit.
+    async fn create(&self, spec: &SubscriptionSpec) -> Result<T::Consumer, Error> {
+        let topic = &spec.consumer.topic;
+        let timed_out = || Error::SubscribeTimeout {
+            topic: topic.clone(),
+            subscription: spec.consumer.subscription.clone(),
+            waited: spec.subscribe_timeout,
+        };
+        let deadline = Instant::now() + spec.subscribe_timeout;
+        // The transport's futures may be large (the `pulsar` crate's are,
+        // in debug builds); boxed, they do not make every future around
+        // them, and the stack that polls them, large too.
+        let subscribing = Box::pin(self.transport.subscribe(&spec.consumer));
+        let consumer = match tokio::time::timeout_at(deadline, subscribing).await {
+            Ok(Ok(consumer)) => consumer,
+            Ok(Err(source)) => {
+                return Err(Error::Subscribe {
+                    topic: topic.clone(),
+                    source,
+                })
+            }
+            Err(_) => return Err(timed_out()),
+        };
+        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing));
+        let prepared = tokio::time::timeout_at(deadline, preparing).await;
+        let failure = match prepared {
+            Ok(Ok(())) => return Ok(consumer),
+            Ok(Err((topic, source))) => Error::Producer { topic, source },
+            Err(_) => timed_out(),
+        };
+        close_consumers::<T>(vec![consumer], "of a failed subscribe").await;
+        Err(failure)
     }
 
     fn accepting_subscriptions(&self, topic: &str) -> Result<(), Error> {
@@ -336,7 +394,7 @@ impl<T: Transport> Engine<T> {
             subscription.wake();
         }
         info!(subscriptions = subscriptions.len(), "dispatcher running");
-        tokio::task::spawn_local(self.clone().drive());
+        tokio::task::spawn_local(self.clone().supervise());
         Ok(())
     }
 
@@ -365,9 +423,24 @@ impl<T: Transport> Engine<T> {
             .collect()
     }
 
-    /// The engine task: until shutdown has drained everything, polls the
-    /// consumers that woke, dispatches and sends held nacks; then shuts
-    /// down.
+    /// The engine task. If it panics (a bug), the dispatcher still fails
+    /// with an error and closes, rather than leave `run()` waiting.
+    async fn supervise(self: Rc<Self>) {
+        let driven = AssertUnwindSafe(self.clone().drive()).catch_unwind().await;
+        let Err(panic) = driven else {
+            return;
+        };
+        self.fail(Error::EngineFailed {
+            reason: format!("the engine task panicked: {}", panic_text(panic.as_ref())),
+        });
+        let closed = AssertUnwindSafe(self.shut_down()).catch_unwind().await;
+        if closed.is_err() {
+            self.mark_closed();
+        }
+    }
+
+    /// Until shutdown has drained everything, polls the consumers that
+    /// woke, dispatches and keeps the timers; then shuts down.
     async fn drive(self: Rc<Self>) {
         poll_fn(|cx| self.poll_until_drained(cx)).await;
         self.shut_down().await;
@@ -379,7 +452,7 @@ impl<T: Transport> Engine<T> {
         self.woken.register_engine(cx.waker());
         let kept = self.dispatch(NO_POOL);
         debug_assert!(kept.is_none(), "the engine keeps no job");
-        self.poll_held_nacks(cx);
+        self.poll_timers(cx);
         if self.phase() != Phase::Running && self.scheduler.borrow().is_idle() {
             return Poll::Ready(());
         }
@@ -445,17 +518,11 @@ impl<T: Transport> Engine<T> {
         {
             return;
         }
-        match subscription.poll_receive() {
-            Poll::Pending => {}
-            Poll::Ready(Some(Ok(message))) => self.offer(subscription, message),
-            Poll::Ready(Some(Err(error))) => {
-                warn!(topic = %subscription.topic, %error, "receiving failed");
-                // Polled again at the next dispatch.
-                subscription.wake();
-            }
-            Poll::Ready(None) => self.fail(Error::ConsumerEnded {
-                topic: subscription.info.topic.clone(),
-            }),
+        match subscription.receive() {
+            Received::Nothing => {}
+            Received::Message(message) => self.offer(subscription, message),
+            Received::RetryLater => self.watch_timers(subscription),
+            Received::Failed(failure) => self.fail(failure),
         }
     }
 
@@ -518,6 +585,7 @@ impl<T: Transport> Engine<T> {
             Outcome::Succeeded(_) => &counters.succeeded,
             Outcome::Failed(_) => &counters.failed,
             Outcome::Panicked(_) => &counters.panicked,
+            Outcome::TimedOut(_) => &counters.deadline_exceeded,
         });
         match self.router.decide(&subscription.routing, message, outcome) {
             Action::Settle(verdict) => verdict,
@@ -536,35 +604,43 @@ impl<T: Transport> Engine<T> {
         }
     }
 
-    // ----- held nacks -----
+    // ----- timers -----
 
-    /// Notes that `subscription` holds a nack back, so that the engine's
-    /// timer covers it.
-    pub(crate) fn nack_held(&self, subscription: &Rc<Subscription<T>>) {
-        let mut holding = self.holding_nacks.borrow_mut();
-        if !holding.iter().any(|held| Rc::ptr_eq(held, subscription)) {
-            holding.push(subscription.clone());
+    /// Notes that `subscription` has something due later (a held nack, a
+    /// receive to retry), so that the engine's timer covers it.
+    pub(crate) fn watch_timers(&self, subscription: &Rc<Subscription<T>>) {
+        let mut timed = self.timed.borrow_mut();
+        if !timed
+            .iter()
+            .any(|watched| Rc::ptr_eq(watched, subscription))
+        {
+            timed.push(subscription.clone());
         }
         self.woken.wake_engine();
     }
 
-    /// Sends the held nacks that are due and sets the timer for the next.
-    fn poll_held_nacks(&self, cx: &mut Context<'_>) {
+    /// Does what is due (held nacks, receive retries, the shutdown
+    /// deadline) and sets the timer for what comes next.
+    fn poll_timers(&self, cx: &mut Context<'_>) {
         let now = Instant::now();
-        let mut next: Option<Instant> = None;
-        self.holding_nacks.borrow_mut().retain(|subscription| {
-            match subscription.send_due_nacks(now) {
+        let mut next = self.stop_deadline.get().filter(|_| !self.cancelling.get());
+        if next.is_some_and(|deadline| deadline <= now) {
+            self.cancel_handlers();
+            next = None;
+        }
+        self.timed
+            .borrow_mut()
+            .retain(|subscription| match subscription.on_timers(now) {
                 Some(due) => {
                     next = Some(next.map_or(due, |next| next.min(due)));
                     true
                 }
                 None => false,
-            }
-        });
+            });
         let Some(next) = next else {
             return;
         };
-        let mut timer = self.nack_timer.borrow_mut();
+        let mut timer = self.timer.borrow_mut();
         let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(next)));
         if timer.deadline() != next {
             timer.as_mut().reset(next);
@@ -596,7 +672,63 @@ impl<T: Transport> Engine<T> {
         debug!("shutdown requested; no more messages are received");
         self.phase.set(Phase::Stopping);
         self.scheduler.borrow_mut().close();
+        if let Some(limit) = self.shutdown_timeout {
+            self.shorten_stop_deadline(limit);
+        }
         self.woken.wake_engine();
+    }
+
+    /// Makes a shutdown cancel the handlers still running after `limit`
+    /// (from now), unless an earlier deadline is set.
+    fn shorten_stop_deadline(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let earlier = self
+            .stop_deadline
+            .get()
+            .map_or(deadline, |set| set.min(deadline));
+        self.stop_deadline.set(Some(earlier));
+        self.woken.wake_engine();
+    }
+
+    /// Past the shutdown deadline: messages still waiting are nacked and
+    /// every handler still running is dropped (its message nacked).
+    fn cancel_handlers(&self) {
+        self.cancelling.set(true);
+        loop {
+            let waiting = self.scheduler.borrow_mut().take_waiting();
+            let Some((
+                _,
+                Delivery {
+                    subscription,
+                    message,
+                },
+            )) = waiting
+            else {
+                break;
+            };
+            subscription.nack_at_once(message.get().id());
+            self.recycle(message);
+        }
+        let running = self.scheduler.borrow().in_flight();
+        warn!(
+            running,
+            "shutdown deadline passed; cancelling the handlers still running"
+        );
+        for pool in self.pools.borrow().values() {
+            pool.cancel();
+        }
+    }
+
+    /// Counts a job dropped by the shutdown deadline.
+    pub(crate) fn note_cancelled(&self) {
+        if self.cancelling.get() {
+            self.cancelled.set(self.cancelled.get() + 1);
+        }
+    }
+
+    /// How many handlers the shutdown deadline cancelled.
+    pub(crate) fn cancelled(&self) -> usize {
+        self.cancelled.get()
     }
 
     /// Once nothing waits or runs: ends the workers, sends held nacks,
@@ -611,7 +743,7 @@ impl<T: Transport> Engine<T> {
         for subscription in &subscriptions {
             subscription.send_held_nacks();
         }
-        self.holding_nacks.borrow_mut().clear();
+        self.timed.borrow_mut().clear();
         futures::future::join_all(subscriptions.iter().map(|s| s.close())).await;
         self.close_transport().await;
     }
@@ -622,15 +754,35 @@ impl<T: Transport> Engine<T> {
             error!(%error, "closing the connection failed");
             self.failure.borrow_mut().get_or_insert(Error::Close(error));
         }
+        self.mark_closed();
+        info!("dispatcher closed");
+    }
+
+    fn mark_closed(&self) {
         self.phase.set(Phase::Closed);
         self.closed.notify_waiters();
-        info!("dispatcher closed");
     }
 
     /// Shuts down (or, before `run()`, closes the consumers and the
     /// connection) and waits until everything is closed. The work runs in
     /// a task of its own, so a caller dropped mid-way does not abort it.
     pub(crate) async fn close(self: &Rc<Self>) {
+        self.begin_close();
+        self.wait_closed().await
+    }
+
+    /// Like [`close`](Self::close), but cancels the handlers still running
+    /// after `limit`; returns how many were cancelled.
+    pub(crate) async fn close_within(self: &Rc<Self>, limit: Duration) -> usize {
+        self.begin_close();
+        if self.phase() == Phase::Stopping {
+            self.shorten_stop_deadline(limit.min(MAX_DURATION));
+        }
+        self.wait_closed().await;
+        self.cancelled()
+    }
+
+    fn begin_close(self: &Rc<Self>) {
         match self.phase() {
             Phase::Idle => {
                 self.phase.set(Phase::Stopping);
@@ -644,7 +796,6 @@ impl<T: Transport> Engine<T> {
             Phase::Running => self.request_stop(),
             Phase::Stopping | Phase::Drained | Phase::Closed => {}
         }
-        self.wait_closed().await
     }
 
     pub(crate) async fn wait_closed(&self) {
@@ -694,6 +845,7 @@ mod tests {
                 NonZeroUsize::new(1).unwrap(),
                 RetryTopicCheck::Ignore,
                 DeadLetterTargets::known(),
+                None,
             ));
             let spec = SubscribeOptions::new()
                 .negative_ack_redelivery_delay(std::time::Duration::from_secs(60))
@@ -705,7 +857,7 @@ mod tests {
                 .unwrap();
             let subscription = engine.all_subscriptions().remove(0);
             let id = transport.send("jobs", "late");
-            let Poll::Ready(Some(Ok(message))) = subscription.poll_receive() else {
+            let Received::Message(message) = subscription.receive() else {
                 panic!("the message is there");
             };
             engine.scheduler.borrow_mut().close();

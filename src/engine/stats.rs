@@ -27,6 +27,8 @@ pub struct SubscriptionStats {
     pub failed: u64,
     /// Handler calls that panicked.
     pub panicked: u64,
+    /// Handler calls dropped at their processing deadline.
+    pub deadline_exceeded: u64,
     /// Messages republished to the retry topic.
     pub retried: u64,
     /// Messages published to a dead letter topic.
@@ -71,6 +73,7 @@ impl DispatcherStats {
             total.succeeded += s.succeeded;
             total.failed += s.failed;
             total.panicked += s.panicked;
+            total.deadline_exceeded += s.deadline_exceeded;
             total.retried += s.retried;
             total.dead_lettered += s.dead_lettered;
             total.replied += s.replied;
@@ -92,6 +95,7 @@ pub(crate) struct Counters {
     pub(crate) succeeded: Cell<u64>,
     pub(crate) failed: Cell<u64>,
     pub(crate) panicked: Cell<u64>,
+    pub(crate) deadline_exceeded: Cell<u64>,
     pub(crate) retried: Cell<u64>,
     pub(crate) dead_lettered: Cell<u64>,
     pub(crate) replied: Cell<u64>,
@@ -124,6 +128,7 @@ impl Counters {
             succeeded: self.succeeded.get(),
             failed: self.failed.get(),
             panicked: self.panicked.get(),
+            deadline_exceeded: self.deadline_exceeded.get(),
             retried: self.retried.get(),
             dead_lettered: self.dead_lettered.get(),
             replied: self.replied.get(),

@@ -15,12 +15,12 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::stats::{bump, Counters, SubscriptionStats};
 use super::wake::{SubscriptionWaker, WokenList};
 use super::Handler;
-use crate::error::TransportError;
+use crate::error::{Error, TransportError};
 use crate::message::{Message, MessageId};
 use crate::outcome::{SubscriptionInfo, Verdict};
 use crate::routing::RoutingPolicy;
@@ -34,6 +34,9 @@ pub(crate) struct SubscriptionSpec {
     pub(crate) consumer: ConsumerSpec,
     pub(crate) priority: i64,
     pub(crate) nack_delay: Duration,
+    pub(crate) processing_timeout: Option<Duration>,
+    pub(crate) subscribe_timeout: Duration,
+    pub(crate) receive_failure_limit: Duration,
     pub(crate) routing: RoutingPolicy,
 }
 
@@ -70,7 +73,40 @@ pub(crate) struct Subscription<T: Transport> {
     /// Nacks waiting out the delay, in the order they are due (the delay is
     /// the same for every message of the subscription).
     held: RefCell<VecDeque<(Instant, MessageId)>>,
+    pub(crate) processing_timeout: Option<Duration>,
+    receive_failure_limit: Duration,
+    failures: RefCell<ReceiveFailures>,
 }
+
+/// What polling a subscription's consumer gave.
+pub(crate) enum Received {
+    Message(Message),
+    /// Nothing for now: the consumer wakes the subscription when it has a
+    /// message, or the engine's timer does when a failed receive is retried.
+    Nothing,
+    /// Receiving failed and will be retried; the engine's timer must cover
+    /// the subscription.
+    RetryLater,
+    /// The consumer cannot go on: the dispatcher stops with this error.
+    Failed(Error),
+}
+
+/// Errors the consumer returned in a row, and when to try it again.
+#[derive(Default)]
+struct ReceiveFailures {
+    in_a_row: u32,
+    since: Option<Instant>,
+    retry_at: Option<Instant>,
+    last_logged: Option<Instant>,
+    unlogged: u64,
+}
+
+/// The first retry after a receive error waits this long, doubling up to
+/// [`RECEIVE_RETRY_MAX`].
+const RECEIVE_RETRY_FIRST: Duration = Duration::from_millis(10);
+const RECEIVE_RETRY_MAX: Duration = Duration::from_secs(5);
+/// Receive errors in a row are logged at most this often.
+const RECEIVE_ERROR_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 impl<T: Transport> Subscription<T> {
     pub(crate) fn new(
@@ -97,6 +133,9 @@ impl<T: Transport> Subscription<T> {
             waker_state,
             nack_delay: spec.nack_delay,
             held: RefCell::default(),
+            processing_timeout: spec.processing_timeout,
+            receive_failure_limit: spec.receive_failure_limit,
+            failures: RefCell::default(),
         }
     }
 
@@ -111,22 +150,77 @@ impl<T: Transport> Subscription<T> {
         self.waker.wake_by_ref();
     }
 
-    /// Polls the consumer once, with the subscription's own waker. A stream
-    /// that ended is remembered and never polled again.
-    pub(crate) fn poll_receive(&self) -> Poll<Option<Result<Message, TransportError>>> {
+    /// Polls the consumer once, with the subscription's own waker, unless a
+    /// failed receive is waiting to be retried.
+    pub(crate) fn receive(&self) -> Received {
+        if let Some(retry_at) = self.failures.borrow().retry_at {
+            if Instant::now() < retry_at {
+                return Received::Nothing;
+            }
+        }
         self.waker_state.unlist();
         let mut cx = Context::from_waker(&self.waker);
         let polled = match self.consumer.borrow_mut().as_mut() {
             Some(consumer) => consumer.poll_receive(&mut cx),
             None => Poll::Ready(None),
         };
-        match &polled {
-            Poll::Ready(Some(Ok(_))) => bump(&self.counters.received),
-            Poll::Ready(Some(Err(_))) => bump(&self.counters.receive_errors),
-            Poll::Ready(None) => self.receiving.set(false),
-            Poll::Pending => {}
+        match polled {
+            Poll::Pending => Received::Nothing,
+            Poll::Ready(Some(Ok(message))) => {
+                bump(&self.counters.received);
+                if self.failures.borrow().in_a_row > 0 {
+                    self.recovered();
+                }
+                Received::Message(message)
+            }
+            Poll::Ready(Some(Err(error))) => {
+                bump(&self.counters.receive_errors);
+                self.receive_failed(&error)
+            }
+            Poll::Ready(None) => {
+                self.receiving.set(false);
+                Received::Failed(Error::ConsumerEnded {
+                    topic: self.info.topic.clone(),
+                })
+            }
         }
-        polled
+    }
+
+    /// Schedules the next attempt after a receive error, logging at most
+    /// every [`RECEIVE_ERROR_LOG_INTERVAL`]; gives up past the limit.
+    fn receive_failed(&self, error: &TransportError) -> Received {
+        let now = Instant::now();
+        let mut failures = self.failures.borrow_mut();
+        failures.in_a_row = failures.in_a_row.saturating_add(1);
+        let since = *failures.since.get_or_insert(now);
+        let failing_for = now - since;
+        if failing_for >= self.receive_failure_limit {
+            warn!(topic = %self.topic, %error, ?failing_for, "receiving keeps failing; stopping");
+            return Received::Failed(Error::ConsumerFailing {
+                topic: self.info.topic.clone(),
+                failing_for,
+                last_error: error.to_string(),
+            });
+        }
+        let due_to_log = failures
+            .last_logged
+            .is_none_or(|logged| now - logged >= RECEIVE_ERROR_LOG_INTERVAL);
+        if due_to_log {
+            let not_logged = std::mem::take(&mut failures.unlogged);
+            warn!(topic = %self.topic, %error, in_a_row = failures.in_a_row, not_logged, "receiving failed; retrying");
+            failures.last_logged = Some(now);
+        } else {
+            failures.unlogged += 1;
+        }
+        let doublings = (failures.in_a_row - 1).min(16);
+        let wait = (RECEIVE_RETRY_FIRST * 2u32.pow(doublings)).min(RECEIVE_RETRY_MAX);
+        failures.retry_at = Some(now + wait);
+        Received::RetryLater
+    }
+
+    fn recovered(&self) {
+        let failures = std::mem::take(&mut *self.failures.borrow_mut());
+        info!(topic = %self.topic, errors = failures.in_a_row, "receiving works again");
     }
 
     /// Tells the broker the verdict on a message, now or, for a nack with a
@@ -170,18 +264,33 @@ impl<T: Transport> Subscription<T> {
         }
     }
 
-    /// Sends the held nacks that are due by `now`; returns when the next one
-    /// is due.
-    pub(crate) fn send_due_nacks(&self, now: Instant) -> Option<Instant> {
-        loop {
+    /// Does what is due by `now` (held nacks, a retry of a failed receive)
+    /// and returns when the next thing is due.
+    pub(crate) fn on_timers(&self, now: Instant) -> Option<Instant> {
+        let next_nack = loop {
             let next = self.held.borrow().front().map(|(due, _)| *due);
             match next {
                 Some(due) if due <= now => {
                     let (_, id) = self.held.borrow_mut().pop_front().expect("a held nack");
                     self.send(Verdict::Nack, &id);
                 }
-                other => return other,
+                other => break other,
             }
+        };
+        let retry_at = self.failures.borrow().retry_at;
+        let retry_at = match retry_at {
+            Some(at) if at <= now => {
+                self.failures.borrow_mut().retry_at = None;
+                // Listed again, so that the next dispatch polls it.
+                self.waker_state.unlist();
+                self.wake();
+                None
+            }
+            other => other,
+        };
+        match (next_nack, retry_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (next, None) | (None, next) => next,
         }
     }
 

@@ -19,11 +19,13 @@ use std::rc::Rc;
 use std::task::{Poll, Waker};
 
 use futures::FutureExt;
+use tracing::warn;
 
 use super::subscription::Subscription;
 use super::{Engine, Handler, MessageBox, Pool};
+use crate::error::Error;
 use crate::message::Message;
-use crate::outcome::{HandlerError, IntoReply, Outcome, Verdict};
+use crate::outcome::{panic_text, Deadline, HandlerError, IntoReply, Outcome, Verdict};
 use crate::transport::Transport;
 
 /// How many messages a worker handles in one poll before it yields.
@@ -33,6 +35,8 @@ const JOBS_PER_POLL: u32 = 32;
 pub(crate) struct WorkerPool<T: Transport, F, R, E> {
     /// Workers waiting for a message, most recently idle last.
     idle: RefCell<Vec<Rc<Inbox<T>>>>,
+    /// Every worker's task, to cancel at the shutdown deadline.
+    tasks: RefCell<Vec<tokio::task::AbortHandle>>,
     closed: Cell<bool>,
     types: PhantomData<fn(F) -> Result<R, E>>,
 }
@@ -52,6 +56,7 @@ where
     pub(crate) fn new() -> Rc<Self> {
         Rc::new(WorkerPool {
             idle: RefCell::default(),
+            tasks: RefCell::default(),
             closed: Cell::new(false),
             types: PhantomData,
         })
@@ -92,7 +97,7 @@ where
                 in_this_poll = 0;
                 tokio::task::yield_now().await;
             }
-            self.run(job).await;
+            self.run(job, &engine).await;
             in_this_poll += 1;
             next = engine.dispatch(self.id());
         }
@@ -100,16 +105,34 @@ where
 
     /// Runs the handler on the job's message where it is stored, then
     /// settles the message by the handler's outcome.
-    async fn run(&self, job: Job<T>) {
+    async fn run(&self, job: Job<T>, engine: &Engine<T>) {
         let handler: &F = job.handler();
-        let handled = AssertUnwindSafe(handler(job.message()))
-            .catch_unwind()
-            .await;
-        let outcome = match handled {
-            Ok(result) => Outcome::of(result),
-            Err(panic) => Outcome::panicked(panic.as_ref()),
+        let handled = AssertUnwindSafe(handler(job.message())).catch_unwind();
+        let handled = match job.subscription.processing_timeout {
+            None => Some(handled.await),
+            // The handler's future is dropped at the deadline.
+            Some(limit) => tokio::time::timeout(limit, handled).await.ok(),
         };
-        job.finish(outcome).await;
+        let outcome = match handled {
+            Some(Ok(result)) => Outcome::of(result),
+            Some(Err(panic)) => Outcome::panicked(panic.as_ref()),
+            None => {
+                let limit = job.subscription.processing_timeout.unwrap_or_default();
+                warn!(topic = %job.message().topic(), message_id = %job.message().id(), deadline = ?limit, "handler still running at its processing deadline; dropped");
+                Outcome::TimedOut(Deadline(limit))
+            }
+        };
+        // Routing and settling are the dispatcher's own code; a panic there
+        // is a bug that must not pass unnoticed. The job's guard still
+        // nacks the message and returns the permit.
+        if let Err(panic) = AssertUnwindSafe(job.finish(outcome)).catch_unwind().await {
+            engine.fail(Error::EngineFailed {
+                reason: format!(
+                    "settling a message panicked: {}",
+                    panic_text(panic.as_ref())
+                ),
+            });
+        }
     }
 
     /// Waits in the idle list until a job is handed over; `None` once the
@@ -152,8 +175,16 @@ where
             }
             None => {
                 let engine = job.engine.clone();
-                tokio::task::spawn_local(self.work(engine, job));
+                let tasks = &self.tasks;
+                let task = tokio::task::spawn_local(self.clone().work(engine, job));
+                tasks.borrow_mut().push(task.abort_handle());
             }
+        }
+    }
+
+    fn cancel(&self) {
+        for task in self.tasks.borrow_mut().drain(..) {
+            task.abort();
         }
     }
 
@@ -249,7 +280,7 @@ impl<T: Transport> Job<T> {
     fn settle(&self, verdict: Verdict) {
         let id = self.message().id();
         if self.subscription.settle(verdict, id) {
-            self.engine.nack_held(&self.subscription);
+            self.engine.watch_timers(&self.subscription);
         }
     }
 }
@@ -258,6 +289,7 @@ impl<T: Transport> Drop for Job<T> {
     fn drop(&mut self) {
         self.start();
         if !self.finished {
+            self.engine.note_cancelled();
             self.settle(Verdict::Nack);
         }
         if let Some(message) = self.message.take() {

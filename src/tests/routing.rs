@@ -228,14 +228,14 @@ fn an_untrusted_dead_letter_topic_property_is_ignored() {
 fn a_failed_republish_nacks_the_original() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(4);
-        transport.fail_producer_creation(DLQ, 1);
+        transport.fail_publishes(DLQ, 1);
         let id = send(&transport, "orders", "invalid");
         dispatcher
             .subscribe("orders", failing, routed_options())
             .await
             .unwrap();
         // Nacked, redelivered, and dead-lettered on the second attempt once
-        // the producer can be created.
+        // the publish goes through.
         run_until(dispatcher, async |t| t.wait_acked("orders", 1).await).await;
         assert_eq!(transport.nacked("orders"), std::slice::from_ref(&id));
         assert_eq!(transport.acked("orders"), [id]);
@@ -286,7 +286,7 @@ fn replies_are_published_before_the_ack_and_only_when_returned() {
 fn a_failed_reply_nacks_so_the_handler_runs_again() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(4);
-        transport.fail_producer_creation("thumbnails", 1);
+        transport.fail_publishes("thumbnails", 1);
         let id = transport.send("images", "cat");
         dispatcher
             .subscribe(
@@ -301,6 +301,55 @@ fn a_failed_reply_nacks_so_the_handler_runs_again() {
         run_until(dispatcher, async |t| t.wait_acked("images", 1).await).await;
         assert_eq!(transport.nacked("images"), [id]);
         assert_eq!(transport.published("thumbnails").len(), 1);
+    });
+}
+
+#[test]
+fn subscribe_creates_the_producers_it_publishes_with_and_fails_if_one_cannot_be() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        dispatcher
+            .subscribe(
+                "orders",
+                failing,
+                routed_options().reply_topic("confirmations"),
+            )
+            .await
+            .unwrap();
+        let mut created = transport.producers_created();
+        created.sort();
+        assert_eq!(
+            created,
+            [
+                "persistent://public/default/confirmations",
+                DLQ,
+                "persistent://public/default/orders-retry",
+            ],
+            "retry, dead letter and reply producers, before any message"
+        );
+        transport.fail_producer_creation("forbidden-dlq", 1);
+        let refused = dispatcher
+            .subscribe(
+                "payments",
+                failing,
+                SubscribeOptions::new()
+                    .fatal_errors(ErrorClass::of::<InvalidOrder>())
+                    .dead_letter_policy(DeadLetterPolicy {
+                        max_redeliver_count: 5,
+                        dead_letter_topic: "forbidden-dlq".into(),
+                    }),
+            )
+            .await;
+        assert!(
+            matches!(&refused, Err(Error::Producer { topic, .. }) if topic.ends_with("/forbidden-dlq")),
+            "{refused:?}"
+        );
+        assert_eq!(dispatcher.subscriptions().len(), 1, "nothing registered");
+        assert_eq!(
+            transport.open_consumers(),
+            1,
+            "the refused consumer is closed"
+        );
     });
 }
 

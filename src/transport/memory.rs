@@ -58,7 +58,9 @@ struct Broker {
     next_entry: Cell<u64>,
     producers_created: RefCell<Vec<String>>,
     failing_subscribes: RefCell<HashSet<String>>,
+    hanging_subscribes: RefCell<HashSet<String>>,
     failing_producers: RefCell<HashMap<String, usize>>,
+    failing_publishes: RefCell<HashMap<String, usize>>,
     fail_close: Cell<bool>,
     failing_settlements: RefCell<HashSet<String>>,
     closed: Cell<bool>,
@@ -75,6 +77,8 @@ struct Topic {
     unsettled: RefCell<HashMap<u64, Message, BuildHasherDefault<EntryIdHasher>>>,
     consumer_waker: Cell<Option<Waker>>,
     ended: Cell<bool>,
+    /// Receives still to fail.
+    failing_receives: Cell<usize>,
     received: Cell<u64>,
     acked: Cell<usize>,
     published: RefCell<Vec<OutgoingMessage>>,
@@ -258,6 +262,33 @@ impl MemoryTransport {
             .insert(full(topic), times);
     }
 
+    /// Makes every later subscribe to `topic` wait for ever, as a broker
+    /// that keeps answering "consumer busy" would.
+    pub fn hang_subscribe(&self, topic: &str) {
+        self.broker
+            .hanging_subscribes
+            .borrow_mut()
+            .insert(full(topic));
+    }
+
+    /// Makes the next `times` receives on `topic` return an error (pass
+    /// `usize::MAX` for ever).
+    pub fn fail_receives(&self, topic: &str, times: usize) {
+        let topic = self.topic(topic);
+        topic.failing_receives.set(times);
+        if let Some(waker) = topic.consumer_waker.take() {
+            waker.wake();
+        }
+    }
+
+    /// Makes the next `times` publishes to `topic` fail.
+    pub fn fail_publishes(&self, topic: &str, times: usize) {
+        self.broker
+            .failing_publishes
+            .borrow_mut()
+            .insert(full(topic), times);
+    }
+
     /// Makes every later ack and nack on `topic` fail, as acks into a
     /// broken connection would.
     pub fn fail_settlements(&self, topic: &str) {
@@ -303,6 +334,9 @@ impl Transport for MemoryTransport {
         tokio::task::yield_now().await;
         if self.broker.closed.get() {
             return Err(TransportError::Closed);
+        }
+        if self.broker.hanging_subscribes.borrow().contains(topic) {
+            std::future::pending::<()>().await;
         }
         if self.broker.failing_subscribes.borrow().contains(topic) {
             return Err(TransportError::Injected(format!("subscribe to {topic}")));
@@ -394,6 +428,14 @@ impl Consumer for MemoryConsumer {
     ) -> Poll<Option<Result<Message, TransportError>>> {
         if self.topic.ended.get() {
             return Poll::Ready(None);
+        }
+        let failing = self.topic.failing_receives.get();
+        if failing > 0 {
+            self.topic.failing_receives.set(failing - 1);
+            return Poll::Ready(Some(Err(TransportError::Injected(format!(
+                "receive from {}",
+                self.topic.name
+            )))));
         }
         match self.topic.backlog.borrow_mut().pop_front() {
             Some(message) => {
@@ -499,6 +541,16 @@ impl Producer for MemoryProducer {
     async fn send(&self, message: OutgoingMessage) -> Result<(), TransportError> {
         if self.transport.is_closed() {
             return Err(TransportError::Closed);
+        }
+        let failing = &self.transport.broker.failing_publishes;
+        if let Some(left) = failing.borrow_mut().get_mut(&*self.topic.name) {
+            if *left > 0 {
+                *left -= 1;
+                return Err(TransportError::Injected(format!(
+                    "publish to {}",
+                    self.topic.name
+                )));
+            }
         }
         self.topic.published.borrow_mut().push(message.clone());
         self.transport

@@ -103,7 +103,9 @@ impl PulsarTransport {
         if let Some(policy) = &spec.dead_letter_policy {
             builder = builder.with_dead_letter_policy(policy.clone());
         }
-        let consumer = builder.build().await?;
+        // Boxed: the crate's futures are large (in debug builds, hundreds of
+        // kilobytes), and every future holding one inline would be too.
+        let consumer = Box::pin(builder.build()).await?;
         // The broker's address comes from a lookup through the client, not
         // from the consumer: asking the consumer's engine would wait behind
         // messages it cannot hand over until somebody receives them.
@@ -168,7 +170,7 @@ impl Transport for PulsarTransport {
 
     async fn create_producer(&self, topic: &str) -> Result<PulsarProducer, TransportError> {
         let client = self.open_client()?;
-        let producer = client.producer().with_topic(topic).build().await?;
+        let producer = Box::pin(client.producer().with_topic(topic).build()).await?;
         if let Ok(broker) = client.lookup_topic(topic).await {
             self.brokers
                 .add(broker.url.host_str(), broker.url.port())

@@ -1,0 +1,322 @@
+//! Failure handling on the in-memory transport: processing and shutdown
+//! deadlines, receive errors, bounded subscribes, invalid durations and
+//! failures of the dispatcher's own code.
+
+use std::convert::Infallible;
+use std::rc::Rc;
+use std::time::Duration;
+
+use super::{dispatcher, options, run_local, settle_down, spawn_run, Gate};
+use crate::transport::MemoryTransport;
+use crate::{Dispatcher, Error, ErrorClass, Message, SubType, SubscribeOptions, MAX_DURATION};
+
+/// Never returns for payload `hang`; succeeds otherwise.
+async fn hangs_on_request(message: &Message) -> Result<(), Infallible> {
+    if message.payload() == b"hang" {
+        std::future::pending::<()>().await;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_handler_past_its_deadline_is_dropped_and_its_message_retried() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let hung = transport.send("jobs", "hang");
+        let next = transport.send("jobs", "next");
+        dispatcher
+            .subscribe(
+                "jobs",
+                hangs_on_request,
+                options(1)
+                    .subscription("jobs-sub")
+                    .subscription_type(SubType::Shared)
+                    .processing_timeout(Duration::from_millis(50))
+                    .retry_errors(ErrorClass::matching(|_| false))
+                    .retry_topic("jobs-retry"),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        // The only permit came back: the next message was handled.
+        transport.wait_acked("jobs", 2).await;
+        assert_eq!(transport.acked("jobs"), [hung.clone(), next]);
+        let retried = transport.published("jobs-retry");
+        assert_eq!(retried.len(), 1, "retried, whatever its error class");
+        assert_eq!(retried[0].payload, b"hang");
+        assert_eq!(retried[0].property("RECONSUMETIMES"), Some("1"));
+        let stats = dispatcher.stats().total();
+        assert_eq!((stats.deadline_exceeded, stats.retried), (1, 1));
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn without_a_retry_topic_a_handler_past_its_deadline_is_nacked() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let hung = transport.send("jobs", "hang");
+        dispatcher
+            .subscribe(
+                "jobs",
+                hangs_on_request,
+                options(1).processing_timeout(Duration::from_millis(20)),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        while transport.nacked("jobs").is_empty() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(transport.nacked("jobs")[0], hung);
+        assert!(transport.acked("jobs").is_empty(), "never acked");
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn close_within_cancels_hung_handlers_nacks_their_messages_and_still_closes() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let ids: Vec<_> = ["hang", "hang", "hang"]
+            .iter()
+            .map(|payload| transport.send("jobs", *payload))
+            .collect();
+        dispatcher
+            .subscribe("jobs", hangs_on_request, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        assert_eq!(dispatcher.stats().in_flight, 2);
+        let cancelled = dispatcher
+            .close_handle()
+            .close_within(Duration::from_millis(50))
+            .await;
+        assert_eq!(cancelled, 2, "both running handlers");
+        let result = run.await.unwrap();
+        assert!(
+            matches!(result, Err(Error::HandlersCancelled { cancelled: 2 })),
+            "{result:?}"
+        );
+        let mut nacked = transport.nacked("jobs");
+        nacked.sort_by_key(|id| id.entry_id());
+        assert_eq!(nacked, ids, "the two running and the one waiting");
+        assert!(
+            transport.acked("jobs").is_empty(),
+            "nothing acked that did not succeed"
+        );
+        assert!(transport.is_closed());
+        assert_eq!(transport.open_consumers(), 0);
+    });
+}
+
+#[test]
+fn the_builders_shutdown_timeout_applies_to_every_close() {
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .shutdown_timeout(Duration::from_millis(30))
+            .build(transport.clone())
+            .unwrap();
+        transport.send("jobs", "hang");
+        transport.send("jobs", "fine");
+        dispatcher
+            .subscribe("jobs", hangs_on_request, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("jobs", 1).await;
+        dispatcher.close().await;
+        assert!(matches!(
+            run.await.unwrap(),
+            Err(Error::HandlersCancelled { cancelled: 1 })
+        ));
+        assert_eq!(transport.nacked("jobs").len(), 1);
+        assert!(transport.is_closed());
+    });
+}
+
+#[test]
+fn a_shutdown_with_nothing_hung_finishes_gracefully_within_its_deadline() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let gate = Gate::default();
+        transport.send("jobs", "a");
+        dispatcher
+            .subscribe("jobs", super::gated(&gate), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        gate.open();
+        let cancelled = dispatcher.close_within(Duration::from_secs(30)).await;
+        assert_eq!(cancelled, 0);
+        run.await.unwrap().unwrap();
+        assert_eq!(transport.acked("jobs").len(), 1);
+    });
+}
+
+#[test]
+fn receive_errors_are_retried_with_backoff_and_counted() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        transport.fail_receives("jobs", 3);
+        let id = transport.send("jobs", "after the errors");
+        dispatcher
+            .subscribe("jobs", hangs_on_request, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("jobs", 1).await;
+        assert_eq!(transport.acked("jobs"), [id]);
+        let stats = dispatcher.stats().total();
+        assert_eq!((stats.receive_errors, stats.received), (3, 1));
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn a_consumer_that_keeps_failing_stops_the_dispatcher_with_an_error() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        transport.fail_receives("jobs", usize::MAX);
+        dispatcher
+            .subscribe(
+                "jobs",
+                hangs_on_request,
+                options(1).receive_failure_limit(Duration::from_millis(200)),
+            )
+            .await
+            .unwrap();
+        let result = dispatcher.run().await;
+        assert!(
+            matches!(&result, Err(Error::ConsumerFailing { topic, .. }) if topic.ends_with("/jobs")),
+            "{result:?}"
+        );
+        let errors = dispatcher.stats().total().receive_errors;
+        // 10 ms doubling: about 5 attempts in 200 ms, not a busy loop.
+        assert!((2..=12).contains(&errors), "{errors} attempts");
+        assert!(transport.is_closed());
+    });
+}
+
+#[test]
+fn a_subscribe_the_broker_never_answers_fails_with_a_typed_error() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        transport.hang_subscribe("held");
+        let refused = dispatcher
+            .subscribe(
+                "held",
+                hangs_on_request,
+                SubscribeOptions::new()
+                    .subscription("held-sub")
+                    .subscribe_timeout(Duration::from_millis(30)),
+            )
+            .await;
+        match refused {
+            Err(Error::SubscribeTimeout {
+                topic,
+                subscription,
+                waited,
+            }) => {
+                assert_eq!(topic, "persistent://public/default/held");
+                assert_eq!(subscription.as_deref(), Some("held-sub"));
+                assert_eq!(waited, Duration::from_millis(30));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(dispatcher.subscriptions().is_empty());
+    });
+}
+
+#[test]
+fn durations_out_of_range_are_refused_by_name() {
+    run_local(async {
+        let (dispatcher, _) = dispatcher(1);
+        let cases = [
+            (
+                "negative_ack_redelivery_delay",
+                SubscribeOptions::new().negative_ack_redelivery_delay(Duration::MAX),
+            ),
+            (
+                "processing_timeout",
+                SubscribeOptions::new().processing_timeout(Duration::ZERO),
+            ),
+            (
+                "processing_timeout",
+                SubscribeOptions::new().processing_timeout(MAX_DURATION * 2),
+            ),
+            (
+                "subscribe_timeout",
+                SubscribeOptions::new().subscribe_timeout(Duration::ZERO),
+            ),
+            (
+                "unacked_message_resend_delay",
+                SubscribeOptions::new().unacked_message_resend_delay(Duration::MAX),
+            ),
+            (
+                "receive_failure_limit",
+                SubscribeOptions::new().receive_failure_limit(Duration::MAX),
+            ),
+        ];
+        for (name, options) in cases {
+            let refused = dispatcher
+                .subscribe("jobs", hangs_on_request, options)
+                .await;
+            assert!(
+                matches!(&refused, Err(Error::InvalidOption { option, .. }) if *option == name),
+                "{name}: {refused:?}"
+            );
+        }
+        assert!(dispatcher.subscriptions().is_empty());
+        let refused = Dispatcher::builder()
+            .shutdown_timeout(Duration::MAX)
+            .build(MemoryTransport::new());
+        assert!(matches!(
+            refused,
+            Err(Error::InvalidOption {
+                option: "shutdown_timeout",
+                ..
+            })
+        ));
+    });
+}
+
+#[test]
+fn a_panic_in_the_dispatchers_own_path_stops_it_with_an_error() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let id = transport.send("jobs", "x");
+        dispatcher
+            .subscribe(
+                "jobs",
+                async |_: &Message| Err::<(), _>("retry me"),
+                options(1)
+                    .subscription("jobs-sub")
+                    .subscription_type(SubType::Shared)
+                    .retry_errors(ErrorClass::matching(|_| true))
+                    .retry_topic("jobs-retry")
+                    .retry_backoff(|_| panic!("a broken backoff curve")),
+            )
+            .await
+            .unwrap();
+        let result = dispatcher.run().await;
+        assert!(
+            matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("broken backoff")),
+            "{result:?}"
+        );
+        assert_eq!(transport.nacked("jobs"), [id], "the message went back");
+        assert!(transport.is_closed());
+    });
+}
