@@ -46,6 +46,9 @@ pub struct SubscriptionStats {
     pub nacks_failed: u64,
     /// Errors the consumer returned instead of a message.
     pub receive_errors: u64,
+    /// Messages the broker delivered again after they had been acked (the
+    /// ack was lost with a connection): acked again, not handled again.
+    pub redelivered_after_ack: u64,
 }
 
 /// A snapshot of a dispatcher's counters.
@@ -82,6 +85,7 @@ impl DispatcherStats {
             total.acks_failed += s.acks_failed;
             total.nacks_failed += s.nacks_failed;
             total.receive_errors += s.receive_errors;
+            total.redelivered_after_ack += s.redelivered_after_ack;
         }
         total
     }
@@ -104,6 +108,8 @@ pub(crate) struct Counters {
     pub(crate) acks_failed: Cell<u64>,
     pub(crate) nacks_failed: Cell<u64>,
     pub(crate) receive_errors: Cell<u64>,
+    /// Read from the consumer when it closes (live from it before).
+    pub(crate) redelivered_after_ack: Cell<u64>,
 }
 
 /// Adds one to a counter.
@@ -137,6 +143,7 @@ impl Counters {
             acks_failed: self.acks_failed.get(),
             nacks_failed: self.nacks_failed.get(),
             receive_errors: self.receive_errors.get(),
+            redelivered_after_ack: self.redelivered_after_ack.get(),
         }
     }
 }

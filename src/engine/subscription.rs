@@ -307,6 +307,9 @@ impl<T: Transport> Subscription<T> {
         let Some(mut consumer) = self.consumer.borrow_mut().take() else {
             return;
         };
+        self.counters
+            .redelivered_after_ack
+            .set(consumer.redelivered_after_ack());
         self.receiving.set(false);
         match consumer.close().await {
             Ok(()) => debug!(topic = %self.topic, "consumer closed"),
@@ -315,11 +318,15 @@ impl<T: Transport> Subscription<T> {
     }
 
     pub(crate) fn stats(&self) -> SubscriptionStats {
-        self.counters.snapshot(
+        let mut stats = self.counters.snapshot(
             &self.info.topic,
             self.info.subscription.as_deref(),
             self.info.priority,
-        )
+        );
+        if let Some(consumer) = self.consumer.borrow().as_ref() {
+            stats.redelivered_after_ack = consumer.redelivered_after_ack();
+        }
+        stats
     }
 }
 

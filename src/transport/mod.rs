@@ -21,6 +21,7 @@
 mod memory;
 mod nodelay;
 mod pulsar;
+mod settlement;
 
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -163,6 +164,14 @@ pub trait Consumer: 'static {
     /// Closes the consumer once every ack and nack queued earlier has been
     /// passed on. Messages received and not settled go back to the broker.
     async fn close(&mut self) -> Result<(), TransportError>;
+
+    /// How many messages the broker delivered again after they had been
+    /// acked (an ack lost with a connection), recognised by the consumer,
+    /// acked again and not handed out. Zero for a transport that does not
+    /// look.
+    fn redelivered_after_ack(&self) -> u64 {
+        0
+    }
 }
 
 /// A producer for one topic, shared by every task that publishes there.

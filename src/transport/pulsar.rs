@@ -18,7 +18,7 @@
 //! and nacks it (redelivering the whole batch) otherwise.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -30,6 +30,7 @@ use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
 
 use super::nodelay::disable_nagle;
+use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks};
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
 use crate::message::{Message, MessageId};
 
@@ -159,11 +160,13 @@ impl Transport for PulsarTransport {
             return Err(error);
         }
         self.brokers.disable_nagle();
+        let remembered = RECENT_ACKS + 2 * spec.receiver_queue_size as usize * partitions.len();
         Ok(PulsarConsumer {
             partitioned: partition_count > 0,
             partitions,
             next_partition: 0,
             batches: BatchSettlements::default(),
+            recent_acks: RecentAcks::new(remembered),
             brokers: self.brokers.clone(),
         })
     }
@@ -197,8 +200,18 @@ pub struct PulsarConsumer {
     /// Where the next receive starts looking, so that partitions take turns.
     next_partition: usize,
     batches: BatchSettlements,
+    recent_acks: RecentAcks,
     brokers: Rc<BrokerSockets>,
 }
+
+/// How many acknowledged entries a consumer remembers, besides twice its
+/// receiver queues: enough for the messages in flight and prefetched when a
+/// connection fails (see `settlement::RecentAcks`).
+const RECENT_ACKS: usize = 2048;
+
+/// How many redeliveries of acked entries one receive skips before it lets
+/// other tasks run.
+const SKIPS_PER_RECEIVE: usize = 256;
 
 impl std::fmt::Debug for PulsarConsumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -271,6 +284,41 @@ impl PulsarConsumer {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Message, TransportError>>> {
+        for _ in 0..SKIPS_PER_RECEIVE {
+            match self.poll_next_partition(cx) {
+                Poll::Ready(Some(Ok(message))) if self.was_acked(message.id()) => continue,
+                polled => return polled,
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    /// Whether the message is one the broker delivered again although it was
+    /// acked (the ack was lost with a connection); if so, acks it again.
+    fn was_acked(&mut self, id: &MessageId) -> bool {
+        let Some(resend) = self.recent_acks.redelivered(entry_of(id), Instant::now()) else {
+            return false;
+        };
+        tracing::info!(message_id = %id, resending = resend.len(), "the broker delivered an acked message again (its ack was lost with a connection); acking again");
+        for entry in resend {
+            self.ack_entry(entry);
+        }
+        true
+    }
+
+    /// Sends the ack of a whole entry again, as the crate acks entries.
+    fn ack_entry(&mut self, (partition, ledger_id, entry_id): EntryKey) {
+        let id = MessageId::new(ledger_id, entry_id, partition, None);
+        if let Err(error) = self.send_settlement(&id, true) {
+            tracing::warn!(message_id = %id, %error, "acking again failed");
+        }
+    }
+
+    fn poll_next_partition(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Message, TransportError>>> {
         let count = self.partitions.len();
         for step in 0..count {
             let index = (self.next_partition + step) % count;
@@ -334,6 +382,14 @@ impl PulsarConsumer {
         let Some(succeeded) = self.batches.settle(id, succeeded) else {
             return Ok(());
         };
+        self.send_settlement(id, succeeded)?;
+        if succeeded {
+            self.recent_acks.record(entry_of(id), Instant::now());
+        }
+        Ok(())
+    }
+
+    fn send_settlement(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
         let partition = self.partition_of(id)?;
         let topic = &partition.topic;
         let raw = id.0.clone();
@@ -349,51 +405,6 @@ impl PulsarConsumer {
             None => Err(TransportError::Pulsar(pulsar::Error::Custom(
                 "the consumer's engine did not take the settlement at once".into(),
             ))),
-        }
-    }
-}
-
-/// Settlements of batch members, held until their batch is complete.
-#[derive(Default)]
-struct BatchSettlements {
-    by_entry: HashMap<(u64, u64, i32), BatchProgress>,
-}
-
-struct BatchProgress {
-    /// One flag per member: settled yet?
-    settled: Vec<bool>,
-    all_succeeded: bool,
-}
-
-impl BatchSettlements {
-    /// Records one settlement. Returns what to tell the broker about the
-    /// message's entry, once there is something to tell: `Some(true)` to ack
-    /// it, `Some(false)` to nack it, `None` while batch-mates are pending.
-    /// Messages outside a batch are passed straight through.
-    fn settle(&mut self, id: &MessageId, succeeded: bool) -> Option<bool> {
-        let raw = &id.0;
-        let (Some(index), Some(size)) = (raw.batch_index, raw.batch_size) else {
-            return Some(succeeded);
-        };
-        let (Ok(index), Ok(size)) = (usize::try_from(index), usize::try_from(size)) else {
-            return Some(succeeded);
-        };
-        if size <= 1 || index >= size {
-            return Some(succeeded);
-        }
-        let entry = (raw.ledger_id, raw.entry_id, id.partition());
-        let progress = self.by_entry.entry(entry).or_insert_with(|| BatchProgress {
-            settled: vec![false; size],
-            all_succeeded: true,
-        });
-        progress.settled[index] = true;
-        progress.all_succeeded &= succeeded;
-        if progress.settled.iter().all(|&settled| settled) {
-            let all_succeeded = progress.all_succeeded;
-            self.by_entry.remove(&entry);
-            Some(all_succeeded)
-        } else {
-            None
         }
     }
 }
@@ -420,6 +431,10 @@ impl Consumer for PulsarConsumer {
 
     async fn close(&mut self) -> Result<(), TransportError> {
         close_partitions(&mut self.partitions).await
+    }
+
+    fn redelivered_after_ack(&self) -> u64 {
+        self.recent_acks.recognised
     }
 }
 
@@ -505,59 +520,5 @@ impl Producer for PulsarProducer {
 
     async fn close(&self) -> Result<(), TransportError> {
         Ok(self.producer.lock().await.close().await?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn member(entry: u64, index: i32, size: i32) -> MessageId {
-        let mut id = MessageId::new(1, entry, -1, Some(index));
-        id.0.batch_size = Some(size);
-        id
-    }
-
-    #[test]
-    fn unbatched_messages_settle_at_once() {
-        let mut batches = BatchSettlements::default();
-        assert_eq!(
-            batches.settle(&MessageId::new(1, 2, -1, None), true),
-            Some(true)
-        );
-        assert_eq!(
-            batches.settle(&MessageId::new(1, 3, -1, None), false),
-            Some(false)
-        );
-        assert_eq!(batches.settle(&member(4, 0, 1), true), Some(true));
-    }
-
-    #[test]
-    fn a_batch_is_acked_when_its_last_member_succeeds() {
-        let mut batches = BatchSettlements::default();
-        assert_eq!(batches.settle(&member(7, 2, 3), true), None);
-        assert_eq!(
-            batches.settle(&member(8, 0, 2), true),
-            None,
-            "another entry"
-        );
-        assert_eq!(batches.settle(&member(7, 0, 3), true), None);
-        assert_eq!(
-            batches.settle(&member(7, 0, 3), true),
-            None,
-            "a repeat changes nothing"
-        );
-        assert_eq!(batches.settle(&member(7, 1, 3), true), Some(true));
-        assert!(batches.by_entry.contains_key(&(1, 8, -1)));
-        assert!(!batches.by_entry.contains_key(&(1, 7, -1)));
-    }
-
-    #[test]
-    fn a_batch_with_a_failed_member_is_nacked_once_all_are_settled() {
-        let mut batches = BatchSettlements::default();
-        assert_eq!(batches.settle(&member(7, 0, 3), true), None);
-        assert_eq!(batches.settle(&member(7, 1, 3), false), None);
-        assert_eq!(batches.settle(&member(7, 2, 3), true), Some(false));
-        assert!(batches.by_entry.is_empty());
     }
 }

@@ -1,0 +1,230 @@
+//! What the Pulsar transport tells the broker about received messages, and
+//! when: batch members are settled as one entry, and an entry acked
+//! shortly before a connection failed is recognised when the broker
+//! delivers it again.
+//!
+//! Both are bookkeeping above the `pulsar` crate, which acknowledges whole
+//! entries and drops acknowledgements sent while its connection is down.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use crate::message::MessageId;
+
+/// Settlements of batch members, held until their batch is complete.
+#[derive(Default)]
+pub(super) struct BatchSettlements {
+    by_entry: HashMap<(u64, u64, i32), BatchProgress>,
+}
+
+struct BatchProgress {
+    /// One flag per member: settled yet?
+    settled: Vec<bool>,
+    all_succeeded: bool,
+}
+
+impl BatchSettlements {
+    /// Records one settlement. Returns what to tell the broker about the
+    /// message's entry, once there is something to tell: `Some(true)` to ack
+    /// it, `Some(false)` to nack it, `None` while batch-mates are pending.
+    /// Messages outside a batch are passed straight through.
+    pub(super) fn settle(&mut self, id: &MessageId, succeeded: bool) -> Option<bool> {
+        let raw = &id.0;
+        let (Some(index), Some(size)) = (raw.batch_index, raw.batch_size) else {
+            return Some(succeeded);
+        };
+        let (Ok(index), Ok(size)) = (usize::try_from(index), usize::try_from(size)) else {
+            return Some(succeeded);
+        };
+        if size <= 1 || index >= size {
+            return Some(succeeded);
+        }
+        let entry = (raw.ledger_id, raw.entry_id, id.partition());
+        let progress = self.by_entry.entry(entry).or_insert_with(|| BatchProgress {
+            settled: vec![false; size],
+            all_succeeded: true,
+        });
+        progress.settled[index] = true;
+        progress.all_succeeded &= succeeded;
+        if progress.settled.iter().all(|&settled| settled) {
+            let all_succeeded = progress.all_succeeded;
+            self.by_entry.remove(&entry);
+            Some(all_succeeded)
+        } else {
+            None
+        }
+    }
+}
+
+/// An entry on the broker: partition, ledger, entry.
+pub(super) type EntryKey = (i32, u64, u64);
+
+/// The entry a message id belongs to.
+pub(super) fn entry_of(id: &MessageId) -> EntryKey {
+    (id.partition(), id.ledger_id(), id.entry_id())
+}
+
+/// How long an acknowledged entry is remembered.
+const RECENT_ACK_RETENTION: Duration = Duration::from_secs(120);
+
+/// Entries acknowledged recently.
+///
+/// The crate drops an ack sent while its connection is down without telling
+/// anyone; after it reconnects, the broker delivers the entry again. An
+/// entry delivered again that was acked moments ago is therefore an ack
+/// that was lost: it is acked again instead of being handled a second time.
+/// The first such redelivery also shows that the connection came back, so
+/// every remembered ack is sent again then, before the broker hands those
+/// entries to another consumer of the subscription. Bounded by a count and
+/// an age; what falls out can still come back as a duplicate.
+pub(super) struct RecentAcks {
+    in_order: VecDeque<(Instant, EntryKey)>,
+    entries: HashSet<EntryKey>,
+    capacity: usize,
+    last_bulk_resend: Option<Instant>,
+    /// Redeliveries of acked entries recognised so far.
+    pub(super) recognised: u64,
+}
+
+/// After a bulk re-send, another waits this long.
+const BULK_RESEND_INTERVAL: Duration = Duration::from_secs(5);
+
+impl RecentAcks {
+    pub(super) fn new(capacity: usize) -> Self {
+        RecentAcks {
+            in_order: VecDeque::new(),
+            entries: HashSet::new(),
+            capacity,
+            last_bulk_resend: None,
+            recognised: 0,
+        }
+    }
+
+    /// Remembers that `entry` was acked at `now`.
+    pub(super) fn record(&mut self, entry: EntryKey, now: Instant) {
+        while let Some(&(at, oldest)) = self.in_order.front() {
+            if self.in_order.len() < self.capacity && now.duration_since(at) < RECENT_ACK_RETENTION
+            {
+                break;
+            }
+            self.in_order.pop_front();
+            self.entries.remove(&oldest);
+        }
+        if self.entries.insert(entry) {
+            self.in_order.push_back((now, entry));
+        }
+    }
+
+    /// Whether `entry` was acked recently; if so, counts a redelivery and
+    /// returns the entries whose acks to send again: all remembered ones
+    /// the first time after a while, otherwise just this one.
+    pub(super) fn redelivered(&mut self, entry: EntryKey, now: Instant) -> Option<Vec<EntryKey>> {
+        if !self.entries.contains(&entry) {
+            return None;
+        }
+        self.recognised += 1;
+        let bulk_due = self
+            .last_bulk_resend
+            .is_none_or(|last| now.duration_since(last) >= BULK_RESEND_INTERVAL);
+        if !bulk_due {
+            return Some(vec![entry]);
+        }
+        self.last_bulk_resend = Some(now);
+        Some(self.in_order.iter().map(|&(_, entry)| entry).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(entry: u64, index: i32, size: i32) -> MessageId {
+        let mut id = MessageId::new(1, entry, -1, Some(index));
+        id.0.batch_size = Some(size);
+        id
+    }
+
+    #[test]
+    fn unbatched_messages_settle_at_once() {
+        let mut batches = BatchSettlements::default();
+        assert_eq!(
+            batches.settle(&MessageId::new(1, 2, -1, None), true),
+            Some(true)
+        );
+        assert_eq!(
+            batches.settle(&MessageId::new(1, 3, -1, None), false),
+            Some(false)
+        );
+        assert_eq!(batches.settle(&member(4, 0, 1), true), Some(true));
+    }
+
+    #[test]
+    fn a_batch_is_acked_when_its_last_member_succeeds() {
+        let mut batches = BatchSettlements::default();
+        assert_eq!(batches.settle(&member(7, 2, 3), true), None);
+        assert_eq!(
+            batches.settle(&member(8, 0, 2), true),
+            None,
+            "another entry"
+        );
+        assert_eq!(batches.settle(&member(7, 0, 3), true), None);
+        assert_eq!(
+            batches.settle(&member(7, 0, 3), true),
+            None,
+            "a repeat changes nothing"
+        );
+        assert_eq!(batches.settle(&member(7, 1, 3), true), Some(true));
+        assert!(batches.by_entry.contains_key(&(1, 8, -1)));
+        assert!(!batches.by_entry.contains_key(&(1, 7, -1)));
+    }
+
+    #[test]
+    fn a_batch_with_a_failed_member_is_nacked_once_all_are_settled() {
+        let mut batches = BatchSettlements::default();
+        assert_eq!(batches.settle(&member(7, 0, 3), true), None);
+        assert_eq!(batches.settle(&member(7, 1, 3), false), None);
+        assert_eq!(batches.settle(&member(7, 2, 3), true), Some(false));
+        assert!(batches.by_entry.is_empty());
+    }
+
+    #[test]
+    fn a_redelivered_acked_entry_is_recognised_and_the_first_one_resends_all() {
+        let now = Instant::now();
+        let mut acks = RecentAcks::new(3);
+        for entry in 1..=4 {
+            acks.record((0, 9, entry), now);
+        }
+        assert_eq!(
+            acks.redelivered((0, 9, 1), now),
+            None,
+            "evicted at capacity"
+        );
+        assert_eq!(acks.redelivered((1, 9, 4), now), None, "another partition");
+        assert_eq!(
+            acks.redelivered((0, 9, 3), now),
+            Some(vec![(0, 9, 2), (0, 9, 3), (0, 9, 4)])
+        );
+        assert_eq!(acks.redelivered((0, 9, 4), now), Some(vec![(0, 9, 4)]));
+        assert_eq!(
+            acks.redelivered((0, 9, 2), now + BULK_RESEND_INTERVAL)
+                .map(|all| all.len()),
+            Some(3),
+            "a later reconnection resends all again"
+        );
+        assert_eq!(acks.recognised, 3);
+    }
+
+    #[test]
+    fn acks_older_than_the_retention_are_forgotten() {
+        let start = Instant::now();
+        let mut acks = RecentAcks::new(100);
+        acks.record((-1, 1, 1), start);
+        acks.record((-1, 1, 2), start + RECENT_ACK_RETENTION);
+        assert!(acks
+            .redelivered((-1, 1, 1), start + RECENT_ACK_RETENTION)
+            .is_none());
+        assert!(acks
+            .redelivered((-1, 1, 2), start + RECENT_ACK_RETENTION)
+            .is_some());
+    }
+}
