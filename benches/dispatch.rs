@@ -59,10 +59,11 @@ fn scheduler(c: &mut Criterion) {
             let id = BenchmarkId::new(format!("levels{levels}"), subscriptions);
             group.bench_function(id, |b| {
                 b.iter(|| {
-                    let Some((key, message)) = scheduler.try_dispatch() else {
+                    let Some((permit, message)) = scheduler.try_dispatch() else {
                         unreachable!("every slot is full and a permit is free");
                     };
-                    scheduler.release_permit();
+                    let key = permit.subscription();
+                    scheduler.release(permit);
                     scheduler.try_insert(key, message).unwrap();
                 })
             });

@@ -403,10 +403,10 @@ fn scheduler_allocations(messages: usize) -> f64 {
     for index in 0..messages {
         let key = keys[index % keys.len()];
         scheduler.try_insert(key, index).expect("an empty slot");
-        let Some(_) = scheduler.try_dispatch() else {
+        let Some((permit, _)) = scheduler.try_dispatch() else {
             unreachable!("a message and a permit are there");
         };
-        scheduler.release_permit();
+        scheduler.release(permit);
     }
     (allocations() - before) as f64 / messages as f64
 }

@@ -11,19 +11,21 @@
 //! producers and the connection are closed, whatever failed before.
 
 use std::num::NonZeroUsize;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::time::Duration;
 
 use pulsar::{PulsarBuilder, TokioExecutor};
 use tracing::debug;
 
-use crate::engine::{DispatcherStats, Engine, Lifecycle};
+use crate::engine::{Control, DispatcherStats, Engine, EngineSettings, SubscriptionId};
 use crate::error::{checked_duration, Error};
 use crate::family::{PriorityLevel, TopicFamily};
+use crate::handle::{CloseHandle, FamilyHandle, SubscriptionHandle};
 use crate::message::Message;
 use crate::options::SubscribeOptions;
 use crate::outcome::{HandlerError, IntoReply, SubscriptionInfo};
 use crate::routing::{DeadLetterTargets, RetryTopicCheck};
+use crate::scheduler::SchedulingPolicy;
 use crate::transport::{PulsarTransport, Transport};
 
 /// The concurrency limit unless told otherwise.
@@ -49,18 +51,14 @@ pub const CONNECT_OPERATION_RETRIES: u32 = 12;
 #[must_use = "a builder does nothing until `connect` or `build` is called"]
 pub struct DispatcherBuilder {
     concurrency: usize,
-    retry_topic_check: RetryTopicCheck,
-    dead_letter_targets: DeadLetterTargets,
-    shutdown_timeout: Option<Duration>,
+    settings: EngineSettings,
 }
 
 impl Default for DispatcherBuilder {
     fn default() -> Self {
         DispatcherBuilder {
             concurrency: DEFAULT_CONCURRENCY,
-            retry_topic_check: RetryTopicCheck::default(),
-            dead_letter_targets: DeadLetterTargets::default(),
-            shutdown_timeout: None,
+            settings: EngineSettings::default(),
         }
     }
 }
@@ -77,14 +75,32 @@ impl DispatcherBuilder {
     /// consumes, or that are consumed by subscriptions that ignore delays
     /// (warn through `tracing` by default).
     pub fn retry_topic_check(mut self, check: RetryTopicCheck) -> Self {
-        self.retry_topic_check = check;
+        self.settings.retry_topic_check = check;
         self
     }
 
     /// Which dead letter topics a message's DEAD_LETTER_TOPIC property may
     /// choose (by default only those of this dispatcher's subscriptions).
     pub fn dead_letter_targets(mut self, targets: DeadLetterTargets) -> Self {
-        self.dead_letter_targets = targets;
+        self.settings.dead_letter_targets = targets;
+        self
+    }
+
+    /// How the next message is chosen among priority levels that have work:
+    /// strictly by priority (the default), by weighted shares, or with
+    /// aging. See [`SchedulingPolicy`].
+    pub fn scheduling(mut self, policy: SchedulingPolicy) -> Self {
+        self.settings.scheduling = policy;
+        self
+    }
+
+    /// Keeps `permits` of the concurrency limit for messages at `priority`
+    /// or better, so that a flood of worse work never takes them all: a
+    /// message at a worse level starts only while more permits are free
+    /// than are reserved for better levels. Reservations add up and must
+    /// leave the limit intact (checked when the dispatcher is built).
+    pub fn reserve(mut self, priority: i64, permits: usize) -> Self {
+        self.settings.reservations.push((priority, permits));
         self
     }
 
@@ -96,7 +112,7 @@ impl DispatcherBuilder {
     /// [`Error::HandlersCancelled`]. [`CloseHandle::close_within`] sets a
     /// deadline for one shutdown.
     pub fn shutdown_timeout(mut self, limit: Duration) -> Self {
-        self.shutdown_timeout = Some(limit);
+        self.settings.shutdown_timeout = Some(limit);
         self
     }
 
@@ -134,8 +150,7 @@ impl DispatcherBuilder {
         self,
         client: PulsarBuilder<TokioExecutor>,
     ) -> Result<Dispatcher<PulsarTransport>, Error> {
-        let concurrency = self.checked_concurrency()?;
-        self.checked_shutdown_timeout()?;
+        let concurrency = self.checked()?;
         let transport = PulsarTransport::from_builder(client)
             .await
             .map_err(Error::Connect)?;
@@ -145,32 +160,37 @@ impl DispatcherBuilder {
     /// A dispatcher over any transport, such as
     /// [`MemoryTransport`](crate::transport::MemoryTransport) in tests.
     pub fn build<T: Transport>(self, transport: T) -> Result<Dispatcher<T>, Error> {
-        let concurrency = self.checked_concurrency()?;
-        self.checked_shutdown_timeout()?;
+        let concurrency = self.checked()?;
         Ok(self.dispatcher(transport, concurrency))
     }
 
     fn dispatcher<T: Transport>(self, transport: T, concurrency: NonZeroUsize) -> Dispatcher<T> {
         Dispatcher {
-            engine: Rc::new(Engine::new(
-                transport,
-                concurrency,
-                self.retry_topic_check,
-                self.dead_letter_targets,
-                self.shutdown_timeout,
-            )),
+            engine: Rc::new(Engine::new(transport, concurrency, self.settings)),
         }
     }
 
-    fn checked_concurrency(&self) -> Result<NonZeroUsize, Error> {
-        NonZeroUsize::new(self.concurrency).ok_or(Error::ZeroConcurrency)
-    }
-
-    fn checked_shutdown_timeout(&self) -> Result<(), Error> {
-        if let Some(limit) = self.shutdown_timeout {
+    /// Checks the settings together; returns the concurrency limit.
+    fn checked(&self) -> Result<NonZeroUsize, Error> {
+        let concurrency = NonZeroUsize::new(self.concurrency).ok_or(Error::ZeroConcurrency)?;
+        if let Some(limit) = self.settings.shutdown_timeout {
             checked_duration("shutdown_timeout", limit, false)?;
         }
-        Ok(())
+        let reserved: usize = self
+            .settings
+            .reservations
+            .iter()
+            .map(|(_, permits)| permits)
+            .sum();
+        if reserved > concurrency.get() {
+            return Err(Error::InvalidOption {
+                option: "reserve",
+                reason: format!(
+                    "{reserved} permits reserved, more than the concurrency limit of {concurrency}"
+                ),
+            });
+        }
+        Ok(concurrency)
     }
 }
 
@@ -228,22 +248,63 @@ impl<T: Transport> Dispatcher<T> {
     /// acknowledgement after the subscription's negative-ack delay. A panic
     /// is always nacked. Handlers never ack themselves.
     ///
+    /// Works before and while the dispatcher runs; the subscription takes
+    /// part in the next pick. Returns a handle to change its priority or
+    /// remove it again ([`unsubscribe`](Self::unsubscribe)).
+    ///
     /// Fails if the options are invalid (the error names the option), if
-    /// the broker refuses the subscription, or if `run()` or `close()` has
-    /// been called; a failed call leaves nothing behind.
+    /// the broker refuses the subscription or one of the topics it publishes
+    /// to, or if the dispatcher is shutting down or closed; a failed call
+    /// leaves nothing behind.
     pub async fn subscribe<F, R, E>(
         &self,
         topic: &str,
         handler: F,
         options: SubscribeOptions,
-    ) -> Result<(), Error>
+    ) -> Result<SubscriptionHandle, Error>
     where
         F: AsyncFn(&Message) -> Result<R, E> + 'static,
         R: IntoReply + 'static,
         E: Into<HandlerError> + 'static,
     {
         let spec = options.resolve(topic)?;
-        self.engine.subscribe_all(vec![spec], handler).await
+        let full_topic = spec.consumer.topic.clone();
+        let ids = self.engine.subscribe_all(vec![spec], handler).await?;
+        Ok(self.handle(ids[0], &full_topic))
+    }
+
+    fn handle(&self, id: SubscriptionId, topic: &str) -> SubscriptionHandle {
+        SubscriptionHandle::new(&self.control(), id, topic)
+    }
+
+    fn control(&self) -> Rc<dyn Control> {
+        self.engine.clone()
+    }
+
+    /// Removes a subscription, while the others go on: it stops receiving,
+    /// a message it already holds is still dispatched, its running handlers
+    /// finish and their messages are settled, held nacks are sent at once,
+    /// and its consumer is closed; then its place is free for reuse. Returns
+    /// once all that is done. Fails with [`Error::UnknownSubscription`] if
+    /// the handle is not this dispatcher's or the subscription is gone.
+    pub async fn unsubscribe(&self, handle: SubscriptionHandle) -> Result<(), Error> {
+        if !handle.belongs_to(&self.control()) || !self.engine.unsubscribe(handle.id()).await {
+            return Err(handle.unknown());
+        }
+        Ok(())
+    }
+
+    /// Removes every subscription of a topic family, together (see
+    /// [`unsubscribe`](Self::unsubscribe)).
+    pub async fn unsubscribe_family(&self, family: FamilyHandle) -> Result<(), Error> {
+        let removals = family
+            .into_members()
+            .into_iter()
+            .map(|member| self.unsubscribe(member));
+        futures::future::join_all(removals)
+            .await
+            .into_iter()
+            .collect()
     }
 
     /// Subscribes one handler to every topic of `family`, each at its
@@ -253,13 +314,15 @@ impl<T: Transport> Dispatcher<T> {
     ///
     /// Every rule is checked, and every consumer created, before any
     /// subscription is registered: a call that fails leaves the dispatcher
-    /// unchanged.
+    /// unchanged. Works before and while the dispatcher runs; the returned
+    /// handle removes the family as a unit
+    /// ([`unsubscribe_family`](Self::unsubscribe_family)).
     pub async fn subscribe_family<L, S, F, R, E>(
         &self,
         family: &TopicFamily<L, S>,
         handler: F,
         options: SubscribeOptions,
-    ) -> Result<(), Error>
+    ) -> Result<FamilyHandle, Error>
     where
         L: PriorityLevel,
         S: PriorityLevel,
@@ -284,7 +347,17 @@ impl<T: Transport> Dispatcher<T> {
                 options.resolve(&member.name)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        self.engine.subscribe_all(specs, handler).await
+        let topics: Vec<String> = specs
+            .iter()
+            .map(|spec| spec.consumer.topic.clone())
+            .collect();
+        let ids = self.engine.subscribe_all(specs, handler).await?;
+        let members = ids
+            .into_iter()
+            .zip(topics)
+            .map(|(id, topic)| self.handle(id, &topic))
+            .collect();
+        Ok(FamilyHandle::new(members))
     }
 
     /// The registered subscriptions, in the order they were made.
@@ -300,10 +373,7 @@ impl<T: Transport> Dispatcher<T> {
     /// A handle that can close this dispatcher from any task on the same
     /// thread, such as a signal handler.
     pub fn close_handle(&self) -> CloseHandle {
-        let engine: Rc<dyn Lifecycle> = self.engine.clone();
-        CloseHandle {
-            engine: Rc::downgrade(&engine),
-        }
+        CloseHandle::new(&self.control())
     }
 
     /// Runs until the dispatcher is closed.
@@ -357,57 +427,6 @@ impl<T: Transport> Dispatcher<T> {
 impl<T: Transport> Drop for Dispatcher<T> {
     fn drop(&mut self) {
         self.engine.request_stop();
-    }
-}
-
-/// Closes a [`Dispatcher`] from elsewhere on its thread. Cheap to clone.
-///
-/// ```no_run
-/// # async fn example(dispatcher: pulsar_dispatcher::Dispatcher) {
-/// let closer = dispatcher.close_handle();
-/// tokio::task::spawn_local(async move {
-///     tokio::signal::ctrl_c().await.ok();
-///     closer.close().await;
-/// });
-/// dispatcher.run().await.expect("clean shutdown");
-/// # }
-/// ```
-#[derive(Clone)]
-pub struct CloseHandle {
-    /// Weak, so that a handler holding the handle does not keep its own
-    /// dispatcher alive.
-    engine: Weak<dyn Lifecycle>,
-}
-
-impl std::fmt::Debug for CloseHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CloseHandle")
-            .field("dispatcher_alive", &(self.engine.strong_count() > 0))
-            .finish()
-    }
-}
-
-impl CloseHandle {
-    /// The same as [`Dispatcher::close`]. Returns at once if the dispatcher
-    /// is gone.
-    pub async fn close(&self) {
-        if let Some(engine) = self.engine.upgrade() {
-            engine.close_dyn().await
-        }
-    }
-
-    /// The same as [`Dispatcher::close_within`]; 0 if the dispatcher is
-    /// gone.
-    pub async fn close_within(&self, limit: Duration) -> usize {
-        match self.engine.upgrade() {
-            Some(engine) => engine.close_within_dyn(limit).await,
-            None => 0,
-        }
-    }
-
-    /// The same as [`Dispatcher::stats`]; `None` if the dispatcher is gone.
-    pub fn stats(&self) -> Option<DispatcherStats> {
-        self.engine.upgrade().map(|engine| engine.stats())
     }
 }
 

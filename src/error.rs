@@ -109,6 +109,14 @@ pub enum Error {
         /// What the dispatcher was doing.
         state: &'static str,
     },
+    /// A [`SubscriptionHandle`](crate::SubscriptionHandle) names a
+    /// subscription that is gone (unsubscribed, or its dispatcher closed),
+    /// or one of another dispatcher.
+    #[error("{topic} is not a subscription of this dispatcher (any more)")]
+    UnknownSubscription {
+        /// The full topic name of the handle.
+        topic: String,
+    },
     /// `run` was called a second time, or after `close`.
     #[error("cannot run: the dispatcher is {state}")]
     RunNotAllowed {

@@ -102,6 +102,7 @@ mod dispatcher;
 mod engine;
 mod error;
 mod family;
+mod handle;
 mod message;
 mod options;
 mod outcome;
@@ -114,14 +115,15 @@ pub mod transport;
 pub use backoff::{default_backoff, exponential_backoff};
 pub use classify::ErrorClass;
 pub use dispatcher::{
-    CloseHandle, Dispatcher, DispatcherBuilder, CONNECT_OPERATION_RETRIES, DEFAULT_CONCURRENCY,
+    Dispatcher, DispatcherBuilder, CONNECT_OPERATION_RETRIES, DEFAULT_CONCURRENCY,
 };
 pub use engine::{DispatcherStats, SubscriptionStats};
 pub use error::{Error, RetryTopicProblem, TransportError, MAX_DURATION};
 pub use family::{FamilyTopic, NoSublevels, PriorityLevel, TopicFamily};
+pub use handle::{CloseHandle, FamilyHandle, SubscriptionHandle};
 pub use message::{Message, MessageId};
 pub use options::{
-    SubscribeOptions, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY, DEFAULT_PRIORITY,
+    SubscribeOptions, DEFAULT_KEY_BUFFER, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY, DEFAULT_PRIORITY,
     DEFAULT_RECEIVE_FAILURE_LIMIT, DEFAULT_SUBSCRIBE_TIMEOUT,
 };
 pub use outcome::{HandlerError, IntoReply, SubscriptionInfo};
@@ -132,6 +134,7 @@ pub use pulsar;
 pub use pulsar::consumer::DeadLetterPolicy;
 pub use pulsar::SubType;
 pub use routing::{DeadLetterTargets, RetryTopicCheck};
+pub use scheduler::{Aging, Ordering, SchedulingPolicy, Weights};
 pub use topic::full_topic_name;
 
 #[cfg(test)]

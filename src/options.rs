@@ -7,6 +7,7 @@
 //! created; every consumer option of the `pulsar` crate is passed through
 //! untouched.
 
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use pulsar::consumer::DeadLetterPolicy;
@@ -17,6 +18,7 @@ use crate::classify::ErrorClass;
 use crate::engine::SubscriptionSpec;
 use crate::error::{checked_duration, Error};
 use crate::routing::{RetryPolicy, RoutingPolicy};
+use crate::scheduler::{Ordering, SubscriptionConfig};
 use crate::topic::full_topic_name;
 use crate::transport::ConsumerSpec;
 
@@ -26,6 +28,10 @@ pub const DEFAULT_PRIORITY: i64 = 100;
 /// How long a failed message waits before it is redelivered, unless told
 /// otherwise; the same default as Pulsar's Java, C++ and Python clients.
 pub const DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY: Duration = Duration::from_secs(60);
+
+/// How many messages a key-ordered subscription may hold while their keys
+/// are busy, unless told otherwise.
+pub const DEFAULT_KEY_BUFFER: usize = 16;
 
 /// How long `subscribe` waits for the broker unless told otherwise.
 pub const DEFAULT_SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -58,6 +64,9 @@ pub struct SubscribeOptions {
     dead_letter_policy: Option<DeadLetterPolicy>,
     unacked_message_resend_delay: Option<Duration>,
     processing_timeout: Option<Duration>,
+    max_in_flight: Option<usize>,
+    ordering: Ordering,
+    key_buffer: Option<usize>,
     subscribe_timeout: Duration,
     receive_failure_limit: Duration,
     fatal_errors: Option<ErrorClass>,
@@ -81,6 +90,9 @@ impl Default for SubscribeOptions {
             dead_letter_policy: None,
             unacked_message_resend_delay: None,
             processing_timeout: None,
+            max_in_flight: None,
+            ordering: Ordering::Unordered,
+            key_buffer: None,
             subscribe_timeout: DEFAULT_SUBSCRIBE_TIMEOUT,
             receive_failure_limit: DEFAULT_RECEIVE_FAILURE_LIMIT,
             fatal_errors: None,
@@ -239,6 +251,35 @@ impl SubscribeOptions {
         self
     }
 
+    /// The most of this subscription's messages in flight at once (at least
+    /// 1; by default only the dispatcher's concurrency limit applies). A
+    /// subscription at its limit is passed over, without holding up others,
+    /// until one of its handlers returns; the global limit still applies.
+    #[must_use]
+    pub fn max_in_flight(mut self, limit: usize) -> Self {
+        self.max_in_flight = Some(limit);
+        self
+    }
+
+    /// How this subscription's messages may overlap (unordered by default;
+    /// see [`Ordering`]).
+    #[must_use]
+    pub fn ordering(mut self, ordering: Ordering) -> Self {
+        self.ordering = ordering;
+        self
+    }
+
+    /// With [`Ordering::Key`]: how many messages the subscription may hold
+    /// while their keys are busy (16 by default, at least 1). A message
+    /// whose key is busy waits in this buffer while other keys run; once it
+    /// is full, no more messages are taken from the broker until a key is
+    /// free, so a busy key never makes the dispatcher pull the backlog.
+    #[must_use]
+    pub fn key_buffer(mut self, messages: usize) -> Self {
+        self.key_buffer = Some(messages);
+        self
+    }
+
     /// How long `subscribe` waits for the broker to create the consumer and
     /// the producers the subscription publishes with (30 s by default).
     /// The broker answers a subscription that another consumer holds
@@ -300,12 +341,45 @@ impl SubscribeOptions {
                 dead_letter_policy: self.dead_letter_policy.clone(),
                 unacked_message_resend_delay: self.unacked_message_resend_delay,
             },
-            priority: self.priority,
+            scheduling: self.scheduling()?,
             nack_delay,
             processing_timeout,
             subscribe_timeout,
             receive_failure_limit,
             routing,
+        })
+    }
+
+    /// The subscription's place in the scheduler.
+    fn scheduling(&self) -> Result<SubscriptionConfig, Error> {
+        let invalid = |option: &'static str, reason: &str| Error::InvalidOption {
+            option,
+            reason: reason.to_owned(),
+        };
+        let max_in_flight = match self.max_in_flight {
+            None => None,
+            Some(limit) => Some(
+                NonZeroUsize::new(limit)
+                    .ok_or_else(|| invalid("max_in_flight", "must be at least 1"))?,
+            ),
+        };
+        if self.ordering == Ordering::Subscription && self.max_in_flight.is_some_and(|n| n > 1) {
+            return Err(invalid(
+                "max_in_flight",
+                "Ordering::Subscription runs one message at a time",
+            ));
+        }
+        let key_buffer = match (self.key_buffer, self.ordering) {
+            (None, _) => DEFAULT_KEY_BUFFER,
+            (Some(0), _) => return Err(invalid("key_buffer", "must be at least 1")),
+            (Some(size), Ordering::Key) => size,
+            (Some(_), _) => return Err(invalid("key_buffer", "needs Ordering::Key")),
+        };
+        Ok(SubscriptionConfig {
+            priority: self.priority,
+            max_in_flight,
+            ordering: self.ordering,
+            key_buffer,
         })
     }
 

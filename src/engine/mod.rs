@@ -19,6 +19,8 @@
 //! when they are due, and walk shutdown's phases. Everything is on one
 //! thread; no `RefCell` borrow is held across an `.await`.
 
+mod lifecycle;
+mod registry;
 mod stats;
 mod subscription;
 mod wake;
@@ -27,38 +29,32 @@ mod worker;
 use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::future::{poll_fn, Future};
 use std::num::NonZeroUsize;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::future::LocalBoxFuture;
-use futures::FutureExt;
+
 use slab::Slab;
 use tokio::sync::Notify;
-use tokio::time::{sleep_until, Instant, Sleep};
-use tracing::{debug, error, info, warn};
+use tokio::time::{Instant, Sleep};
+use tracing::debug;
 
 pub use self::stats::{DispatcherStats, SubscriptionStats};
-pub(crate) use self::subscription::SubscriptionSpec;
-use self::worker::WorkerPool;
+pub(crate) use self::subscription::{SubscriptionId, SubscriptionSpec};
 
 use self::stats::bump;
 use self::subscription::{Received, Subscription};
 use self::wake::WokenList;
 use self::worker::Job;
-use crate::error::{Error, MAX_DURATION};
+use crate::error::Error;
 use crate::message::Message;
-use crate::outcome::{panic_text, HandlerError, IntoReply, Outcome, SubscriptionInfo, Verdict};
-use crate::routing::{
-    retry_topic_problems, Action, DeadLetterTargets, PublishKind, RetryTopicCheck, Router,
-};
-use crate::scheduler::{Rejected, Scheduler};
-use crate::transport::{Consumer, Transport};
+use crate::outcome::{Outcome, SubscriptionInfo, Verdict};
+use crate::routing::{Action, DeadLetterTargets, PublishKind, RetryTopicCheck, Router};
+use crate::scheduler::{Permit, Rejected, Scheduler, SchedulingPolicy};
+use crate::transport::Transport;
 
 /// Where a dispatcher is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,6 +139,18 @@ impl<T: Transport> Handler<T> {
     }
 }
 
+/// The dispatcher-wide settings an engine is built with (checked by the
+/// public API).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct EngineSettings {
+    pub(crate) retry_topic_check: RetryTopicCheck,
+    pub(crate) dead_letter_targets: DeadLetterTargets,
+    pub(crate) shutdown_timeout: Option<Duration>,
+    pub(crate) scheduling: SchedulingPolicy,
+    /// (priority, permits) kept for that level or better.
+    pub(crate) reservations: Vec<(i64, usize)>,
+}
+
 /// The run-time state of one dispatcher.
 pub(crate) struct Engine<T: Transport> {
     transport: T,
@@ -159,6 +167,10 @@ pub(crate) struct Engine<T: Transport> {
     spares: RefCell<Vec<MessageBox>>,
     /// Jobs handed to a worker that has not started them yet.
     handovers: Cell<usize>,
+    /// The serial number of the next subscription.
+    next_serial: Cell<u64>,
+    /// Woken when a subscription being removed releases a message.
+    drained: Notify,
     /// Subscriptions with something due later (held nacks, a receive to
     /// retry), and the one timer for all of them and the shutdown deadline.
     timed: RefCell<Vec<Rc<Subscription<T>>>>,
@@ -177,15 +189,18 @@ pub(crate) struct Engine<T: Transport> {
     closed: Notify,
 }
 
-/// What a [`CloseHandle`](crate::CloseHandle) may do, without the transport
-/// type.
-pub(crate) trait Lifecycle {
+/// What the handles of the public API may do with an engine, without its
+/// transport type.
+pub(crate) trait Control {
     fn close_dyn(self: Rc<Self>) -> LocalBoxFuture<'static, ()>;
     fn close_within_dyn(self: Rc<Self>, limit: Duration) -> LocalBoxFuture<'static, usize>;
     fn stats(&self) -> DispatcherStats;
+    fn set_priority(&self, id: SubscriptionId, priority: i64) -> bool;
+    fn subscription_info(&self, id: SubscriptionId) -> Option<SubscriptionInfo>;
+    fn subscription_stats(&self, id: SubscriptionId) -> Option<SubscriptionStats>;
 }
 
-impl<T: Transport> Lifecycle for Engine<T> {
+impl<T: Transport> Control for Engine<T> {
     fn close_dyn(self: Rc<Self>) -> LocalBoxFuture<'static, ()> {
         Box::pin(async move { self.close().await })
     }
@@ -197,33 +212,51 @@ impl<T: Transport> Lifecycle for Engine<T> {
     fn stats(&self) -> DispatcherStats {
         Engine::stats(self)
     }
+
+    fn set_priority(&self, id: SubscriptionId, priority: i64) -> bool {
+        Engine::set_priority(self, id, priority)
+    }
+
+    fn subscription_info(&self, id: SubscriptionId) -> Option<SubscriptionInfo> {
+        let subscription = self.subscription(id)?;
+        let mut info = subscription.info.clone();
+        info.priority = self.scheduler.borrow().priority(subscription.key);
+        Some(info)
+    }
+
+    fn subscription_stats(&self, id: SubscriptionId) -> Option<SubscriptionStats> {
+        let subscription = self.subscription(id)?;
+        let mut stats = subscription.stats();
+        stats.priority = self.scheduler.borrow().priority(subscription.key);
+        Some(stats)
+    }
 }
 
 /// No worker: what the engine task passes when it dispatches.
 const NO_POOL: *const () = std::ptr::null();
 
 impl<T: Transport> Engine<T> {
-    pub(crate) fn new(
-        transport: T,
-        concurrency: NonZeroUsize,
-        retry_topic_check: RetryTopicCheck,
-        dead_letter_targets: DeadLetterTargets,
-        shutdown_timeout: Option<Duration>,
-    ) -> Self {
+    pub(crate) fn new(transport: T, concurrency: NonZeroUsize, settings: EngineSettings) -> Self {
+        let mut scheduler = Scheduler::with_policy(concurrency, settings.scheduling);
+        for (priority, permits) in settings.reservations {
+            scheduler.reserve(priority, permits);
+        }
         Engine {
             transport,
-            router: Router::new(dead_letter_targets),
-            retry_topic_check,
-            scheduler: RefCell::new(Scheduler::new(concurrency)),
+            router: Router::new(settings.dead_letter_targets),
+            retry_topic_check: settings.retry_topic_check,
+            scheduler: RefCell::new(scheduler),
             subscriptions: RefCell::default(),
             pools: RefCell::default(),
             woken: Arc::default(),
             woken_buffer: RefCell::default(),
             spares: RefCell::default(),
             handovers: Cell::new(0),
+            next_serial: Cell::new(0),
+            drained: Notify::new(),
             timed: RefCell::default(),
             timer: RefCell::default(),
-            shutdown_timeout,
+            shutdown_timeout: settings.shutdown_timeout,
             stop_deadline: Cell::new(None),
             cancelling: Cell::new(false),
             cancelled: Cell::new(0),
@@ -241,224 +274,6 @@ impl<T: Transport> Engine<T> {
         self.phase.get()
     }
 
-    /// The registered subscriptions, in the order they were made.
-    pub(crate) fn subscription_infos(&self) -> Vec<SubscriptionInfo> {
-        self.subscriptions
-            .borrow()
-            .iter()
-            .map(|(_, subscription)| subscription.info.clone())
-            .collect()
-    }
-
-    pub(crate) fn stats(&self) -> DispatcherStats {
-        let scheduler = self.scheduler.borrow();
-        DispatcherStats {
-            subscriptions: self
-                .subscriptions
-                .borrow()
-                .iter()
-                .map(|(_, subscription)| subscription.stats())
-                .collect(),
-            in_flight: scheduler.in_flight(),
-            waiting: scheduler.waiting(),
-            concurrency: scheduler.in_flight() + scheduler.available(),
-        }
-    }
-
-    // ----- subscribing -----
-
-    /// Creates a consumer for every spec, then registers them all at once,
-    /// with one handler. If any creation fails, or the dispatcher started or
-    /// closed in the meantime, closes what it created and registers nothing.
-    pub(crate) async fn subscribe_all<F, R, E>(
-        &self,
-        specs: Vec<SubscriptionSpec>,
-        handler: F,
-    ) -> Result<(), Error>
-    where
-        F: AsyncFn(&Message) -> Result<R, E> + 'static,
-        R: IntoReply + 'static,
-        E: Into<HandlerError> + 'static,
-    {
-        let Some(first) = specs.first() else {
-            return Ok(());
-        };
-        let first_topic = first.consumer.topic.clone();
-        self.accepting_subscriptions(&first_topic)?;
-        let mut consumers = Vec::with_capacity(specs.len());
-        for spec in &specs {
-            match self.create(spec).await {
-                Ok(consumer) => consumers.push(consumer),
-                Err(error) => {
-                    close_consumers::<T>(consumers, "of a failed subscribe").await;
-                    return Err(error);
-                }
-            }
-        }
-        if let Err(refused) = self.accepting_subscriptions(&first_topic) {
-            close_consumers::<T>(consumers, "of a refused subscribe").await;
-            return Err(refused);
-        }
-        let pool = self
-            .pools
-            .borrow_mut()
-            .entry(TypeId::of::<F>())
-            .or_insert_with(|| WorkerPool::<T, F, R, E>::new())
-            .clone();
-        let handler = WorkerPool::<T, F, R, E>::handler(pool, handler);
-        for (spec, consumer) in specs.into_iter().zip(consumers) {
-            self.register(spec, consumer, handler.clone());
-        }
-        Ok(())
-    }
-
-    /// Creates a subscription's consumer and the producers it publishes
-    /// with (so that a topic the broker refuses fails `subscribe`, not every
-    /// message later), within the subscription's time limit.
-    async fn create(&self, spec: &SubscriptionSpec) -> Result<T::Consumer, Error> {
-        let topic = &spec.consumer.topic;
-        let timed_out = || Error::SubscribeTimeout {
-            topic: topic.clone(),
-            subscription: spec.consumer.subscription.clone(),
-            waited: spec.subscribe_timeout,
-        };
-        let deadline = Instant::now() + spec.subscribe_timeout;
-        // The transport's futures may be large (the `pulsar` crate's are,
-        // in debug builds); boxed, they do not make every future around
-        // them, and the stack that polls them, large too.
-        let subscribing = Box::pin(self.transport.subscribe(&spec.consumer));
-        let consumer = match tokio::time::timeout_at(deadline, subscribing).await {
-            Ok(Ok(consumer)) => consumer,
-            Ok(Err(source)) => {
-                return Err(Error::Subscribe {
-                    topic: topic.clone(),
-                    source,
-                })
-            }
-            Err(_) => return Err(timed_out()),
-        };
-        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing));
-        let prepared = tokio::time::timeout_at(deadline, preparing).await;
-        let failure = match prepared {
-            Ok(Ok(())) => return Ok(consumer),
-            Ok(Err((topic, source))) => Error::Producer { topic, source },
-            Err(_) => timed_out(),
-        };
-        close_consumers::<T>(vec![consumer], "of a failed subscribe").await;
-        Err(failure)
-    }
-
-    fn accepting_subscriptions(&self, topic: &str) -> Result<(), Error> {
-        match self.phase() {
-            Phase::Idle => Ok(()),
-            phase => Err(Error::SubscribeNotAllowed {
-                topic: topic.to_owned(),
-                state: phase.describe(),
-            }),
-        }
-    }
-
-    fn register(&self, spec: SubscriptionSpec, consumer: T::Consumer, handler: Handler<T>) {
-        self.router.register(&spec.routing);
-        let key = self.scheduler.borrow_mut().add_subscription(spec.priority);
-        let mut subscriptions = self.subscriptions.borrow_mut();
-        let entry = subscriptions.vacant_entry();
-        let subscription = Subscription::new(
-            entry.key(),
-            key,
-            spec,
-            consumer,
-            handler,
-            self.woken.clone(),
-        );
-        entry.insert(Rc::new(subscription));
-    }
-
-    // ----- running -----
-
-    /// Moves from `Idle` to `Running` and spawns the engine task.
-    pub(crate) fn start(self: &Rc<Self>) -> Result<(), Error> {
-        match self.phase() {
-            Phase::Idle => {}
-            phase => {
-                return Err(Error::RunNotAllowed {
-                    state: phase.describe(),
-                })
-            }
-        }
-        self.check_retry_topics()?;
-        self.phase.set(Phase::Running);
-        let subscriptions = self.all_subscriptions();
-        // Every consumer is polled once, which also hands it its waker.
-        for subscription in &subscriptions {
-            subscription.wake();
-        }
-        info!(subscriptions = subscriptions.len(), "dispatcher running");
-        tokio::task::spawn_local(self.clone().supervise());
-        Ok(())
-    }
-
-    fn check_retry_topics(&self) -> Result<(), Error> {
-        if self.retry_topic_check == RetryTopicCheck::Ignore {
-            return Ok(());
-        }
-        let problems = retry_topic_problems(&self.subscription_infos());
-        if problems.is_empty() {
-            return Ok(());
-        }
-        if self.retry_topic_check == RetryTopicCheck::Refuse {
-            return Err(Error::RetryTopics(problems));
-        }
-        for problem in &problems {
-            warn!(%problem, "retry topic check");
-        }
-        Ok(())
-    }
-
-    fn all_subscriptions(&self) -> Vec<Rc<Subscription<T>>> {
-        self.subscriptions
-            .borrow()
-            .iter()
-            .map(|(_, subscription)| subscription.clone())
-            .collect()
-    }
-
-    /// The engine task. If it panics (a bug), the dispatcher still fails
-    /// with an error and closes, rather than leave `run()` waiting.
-    async fn supervise(self: Rc<Self>) {
-        let driven = AssertUnwindSafe(self.clone().drive()).catch_unwind().await;
-        let Err(panic) = driven else {
-            return;
-        };
-        self.fail(Error::EngineFailed {
-            reason: format!("the engine task panicked: {}", panic_text(panic.as_ref())),
-        });
-        let closed = AssertUnwindSafe(self.shut_down()).catch_unwind().await;
-        if closed.is_err() {
-            self.mark_closed();
-        }
-    }
-
-    /// Until shutdown has drained everything, polls the consumers that
-    /// woke, dispatches and keeps the timers; then shuts down.
-    async fn drive(self: Rc<Self>) {
-        poll_fn(|cx| self.poll_until_drained(cx)).await;
-        self.shut_down().await;
-    }
-
-    fn poll_until_drained(self: &Rc<Self>, cx: &mut Context<'_>) -> Poll<()> {
-        // Registered before anything is looked at, so that no wake-up
-        // between the look and the return is lost.
-        self.woken.register_engine(cx.waker());
-        let kept = self.dispatch(NO_POOL);
-        debug_assert!(kept.is_none(), "the engine keeps no job");
-        self.poll_timers(cx);
-        if self.phase() != Phase::Running && self.scheduler.borrow().is_idle() {
-            return Poll::Ready(());
-        }
-        Poll::Pending
-    }
-
     /// Refills the slots of consumers that woke, then, while a permit is
     /// free, hands the best waiting message to a worker of its handler,
     /// refilling each slot it empties. A message for the pool `keep` is
@@ -470,7 +285,7 @@ impl<T: Transport> Engine<T> {
         let mut kept = None;
         loop {
             let picked = self.scheduler.borrow_mut().try_dispatch();
-            let Some((_, delivery)) = picked else {
+            let Some((permit, delivery)) = picked else {
                 break;
             };
             let Delivery {
@@ -479,7 +294,7 @@ impl<T: Transport> Engine<T> {
             } = delivery;
             bump(&subscription.counters.dispatched);
             self.refill(&subscription);
-            let job = Job::new(self.clone(), subscription, message);
+            let job = Job::new(self.clone(), subscription, message, permit);
             if kept.is_none() && job.pool() == keep {
                 kept = Some(job);
             } else {
@@ -530,14 +345,15 @@ impl<T: Transport> Engine<T> {
     /// be queued goes straight back to the broker; refilling only an empty
     /// slot while running makes that a safety net.
     fn offer(&self, subscription: &Rc<Subscription<T>>, message: Message) {
+        let order_key = subscription.order_key(&message);
         let delivery = Delivery {
             subscription: subscription.clone(),
             message: self.store(message),
         };
-        let inserted = self
-            .scheduler
-            .borrow_mut()
-            .try_insert(subscription.key, delivery);
+        let inserted =
+            self.scheduler
+                .borrow_mut()
+                .try_insert_keyed(subscription.key, delivery, order_key);
         if let Err(Rejected::Closed(rejected) | Rejected::Full(rejected)) = inserted {
             let id = rejected.message.get().id();
             debug!(topic = %subscription.topic, message_id = %id, "not queued; nacking");
@@ -565,8 +381,8 @@ impl<T: Transport> Engine<T> {
     /// Returns a permit. The worker whose job ended dispatches next itself;
     /// otherwise (`wake`), and whenever shutdown waits for the last permit,
     /// the engine task is woken.
-    pub(crate) fn release_permit(&self, wake: bool) {
-        self.scheduler.borrow_mut().release_permit();
+    pub(crate) fn release_permit(&self, permit: Permit, wake: bool) {
+        self.scheduler.borrow_mut().release(permit);
         if wake || self.phase() != Phase::Running {
             self.woken.wake_engine();
         }
@@ -603,223 +419,13 @@ impl<T: Transport> Engine<T> {
             }
         }
     }
-
-    // ----- timers -----
-
-    /// Notes that `subscription` has something due later (a held nack, a
-    /// receive to retry), so that the engine's timer covers it.
-    pub(crate) fn watch_timers(&self, subscription: &Rc<Subscription<T>>) {
-        let mut timed = self.timed.borrow_mut();
-        if !timed
-            .iter()
-            .any(|watched| Rc::ptr_eq(watched, subscription))
-        {
-            timed.push(subscription.clone());
-        }
-        self.woken.wake_engine();
-    }
-
-    /// Does what is due (held nacks, receive retries, the shutdown
-    /// deadline) and sets the timer for what comes next.
-    fn poll_timers(&self, cx: &mut Context<'_>) {
-        let now = Instant::now();
-        let mut next = self.stop_deadline.get().filter(|_| !self.cancelling.get());
-        if next.is_some_and(|deadline| deadline <= now) {
-            self.cancel_handlers();
-            next = None;
-        }
-        self.timed
-            .borrow_mut()
-            .retain(|subscription| match subscription.on_timers(now) {
-                Some(due) => {
-                    next = Some(next.map_or(due, |next| next.min(due)));
-                    true
-                }
-                None => false,
-            });
-        let Some(next) = next else {
-            return;
-        };
-        let mut timer = self.timer.borrow_mut();
-        let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(next)));
-        if timer.deadline() != next {
-            timer.as_mut().reset(next);
-        }
-        if timer.as_mut().poll(cx).is_ready() {
-            cx.waker().wake_by_ref();
-        }
-    }
-
-    // ----- shutting down -----
-
-    /// Records an unexpected failure and starts shutdown.
-    pub(crate) fn fail(&self, failure: Error) {
-        error!(error = %failure, "dispatcher failure; shutting down");
-        self.failure.borrow_mut().get_or_insert(failure);
-        self.request_stop();
-    }
-
-    /// The failure that forced a shutdown, if any.
-    pub(crate) fn take_failure(&self) -> Option<Error> {
-        self.failure.borrow_mut().take()
-    }
-
-    /// Starts shutdown if the dispatcher is running; otherwise does nothing.
-    pub(crate) fn request_stop(&self) {
-        if self.phase() != Phase::Running {
-            return;
-        }
-        debug!("shutdown requested; no more messages are received");
-        self.phase.set(Phase::Stopping);
-        self.scheduler.borrow_mut().close();
-        if let Some(limit) = self.shutdown_timeout {
-            self.shorten_stop_deadline(limit);
-        }
-        self.woken.wake_engine();
-    }
-
-    /// Makes a shutdown cancel the handlers still running after `limit`
-    /// (from now), unless an earlier deadline is set.
-    fn shorten_stop_deadline(&self, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        let earlier = self
-            .stop_deadline
-            .get()
-            .map_or(deadline, |set| set.min(deadline));
-        self.stop_deadline.set(Some(earlier));
-        self.woken.wake_engine();
-    }
-
-    /// Past the shutdown deadline: messages still waiting are nacked and
-    /// every handler still running is dropped (its message nacked).
-    fn cancel_handlers(&self) {
-        self.cancelling.set(true);
-        loop {
-            let waiting = self.scheduler.borrow_mut().take_waiting();
-            let Some((
-                _,
-                Delivery {
-                    subscription,
-                    message,
-                },
-            )) = waiting
-            else {
-                break;
-            };
-            subscription.nack_at_once(message.get().id());
-            self.recycle(message);
-        }
-        let running = self.scheduler.borrow().in_flight();
-        warn!(
-            running,
-            "shutdown deadline passed; cancelling the handlers still running"
-        );
-        for pool in self.pools.borrow().values() {
-            pool.cancel();
-        }
-    }
-
-    /// Counts a job dropped by the shutdown deadline.
-    pub(crate) fn note_cancelled(&self) {
-        if self.cancelling.get() {
-            self.cancelled.set(self.cancelled.get() + 1);
-        }
-    }
-
-    /// How many handlers the shutdown deadline cancelled.
-    pub(crate) fn cancelled(&self) -> usize {
-        self.cancelled.get()
-    }
-
-    /// Once nothing waits or runs: ends the workers, sends held nacks,
-    /// closes the consumers, then the producers and the connection.
-    async fn shut_down(&self) {
-        debug!("queued messages handled; closing consumers");
-        self.phase.set(Phase::Drained);
-        for pool in self.pools.borrow().values() {
-            pool.close();
-        }
-        let subscriptions = self.all_subscriptions();
-        for subscription in &subscriptions {
-            subscription.send_held_nacks();
-        }
-        self.timed.borrow_mut().clear();
-        futures::future::join_all(subscriptions.iter().map(|s| s.close())).await;
-        self.close_transport().await;
-    }
-
-    async fn close_transport(&self) {
-        self.router.close().await;
-        if let Err(error) = self.transport.close().await {
-            error!(%error, "closing the connection failed");
-            self.failure.borrow_mut().get_or_insert(Error::Close(error));
-        }
-        self.mark_closed();
-        info!("dispatcher closed");
-    }
-
-    fn mark_closed(&self) {
-        self.phase.set(Phase::Closed);
-        self.closed.notify_waiters();
-    }
-
-    /// Shuts down (or, before `run()`, closes the consumers and the
-    /// connection) and waits until everything is closed. The work runs in
-    /// a task of its own, so a caller dropped mid-way does not abort it.
-    pub(crate) async fn close(self: &Rc<Self>) {
-        self.begin_close();
-        self.wait_closed().await
-    }
-
-    /// Like [`close`](Self::close), but cancels the handlers still running
-    /// after `limit`; returns how many were cancelled.
-    pub(crate) async fn close_within(self: &Rc<Self>, limit: Duration) -> usize {
-        self.begin_close();
-        if self.phase() == Phase::Stopping {
-            self.shorten_stop_deadline(limit.min(MAX_DURATION));
-        }
-        self.wait_closed().await;
-        self.cancelled()
-    }
-
-    fn begin_close(self: &Rc<Self>) {
-        match self.phase() {
-            Phase::Idle => {
-                self.phase.set(Phase::Stopping);
-                let engine = self.clone();
-                tokio::task::spawn_local(async move {
-                    let subscriptions = engine.all_subscriptions();
-                    futures::future::join_all(subscriptions.iter().map(|s| s.close())).await;
-                    engine.close_transport().await;
-                });
-            }
-            Phase::Running => self.request_stop(),
-            Phase::Stopping | Phase::Drained | Phase::Closed => {}
-        }
-    }
-
-    pub(crate) async fn wait_closed(&self) {
-        loop {
-            let notified = self.closed.notified();
-            if self.phase() == Phase::Closed {
-                return;
-            }
-            notified.await;
-        }
-    }
-}
-
-async fn close_consumers<T: Transport>(consumers: Vec<T::Consumer>, which: &str) {
-    for mut consumer in consumers {
-        if let Err(error) = consumer.close().await {
-            warn!(%error, "closing a consumer {which} failed");
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use std::convert::Infallible;
+
+    use std::future::Future;
 
     use super::*;
     use crate::options::SubscribeOptions;
@@ -843,9 +449,7 @@ mod tests {
             let engine = Rc::new(Engine::new(
                 transport.clone(),
                 NonZeroUsize::new(1).unwrap(),
-                RetryTopicCheck::Ignore,
-                DeadLetterTargets::known(),
-                None,
+                EngineSettings::default(),
             ));
             let spec = SubscribeOptions::new()
                 .negative_ack_redelivery_delay(std::time::Duration::from_secs(60))

@@ -24,15 +24,23 @@ use crate::error::{Error, TransportError};
 use crate::message::{Message, MessageId};
 use crate::outcome::{SubscriptionInfo, Verdict};
 use crate::routing::RoutingPolicy;
-use crate::scheduler::SubscriptionKey;
+use crate::scheduler::{Ordering, SubscriptionConfig, SubscriptionKey};
 use crate::transport::{Consumer, ConsumerSpec, Transport};
+
+/// Names a registered subscription: its place in the engine, and a serial
+/// number that tells it from a later subscription in the same place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SubscriptionId {
+    pub(crate) index: usize,
+    pub(crate) serial: u64,
+}
 
 /// Everything the engine needs to create and run a subscription, besides
 /// its handler: checked and resolved by the public API before it gets here.
 #[derive(Clone, Debug)]
 pub(crate) struct SubscriptionSpec {
     pub(crate) consumer: ConsumerSpec,
-    pub(crate) priority: i64,
+    pub(crate) scheduling: SubscriptionConfig,
     pub(crate) nack_delay: Duration,
     pub(crate) processing_timeout: Option<Duration>,
     pub(crate) subscribe_timeout: Duration,
@@ -46,16 +54,16 @@ impl SubscriptionSpec {
             topic: self.consumer.topic.clone(),
             subscription: self.consumer.subscription.clone(),
             subscription_type: self.consumer.subscription_type,
-            priority: self.priority,
+            priority: self.scheduling.priority,
             retry_topic: self.routing.retry.as_ref().map(|retry| retry.topic.clone()),
         }
     }
 }
 
 pub(crate) struct Subscription<T: Transport> {
-    /// Where the engine keeps it, and what its waker reports.
-    #[allow(dead_code)]
-    pub(crate) index: usize,
+    /// Where the engine keeps it (what its waker reports), and which of the
+    /// subscriptions ever kept there it is.
+    pub(crate) id: SubscriptionId,
     /// Its slot in the scheduler.
     pub(crate) key: SubscriptionKey,
     pub(crate) info: SubscriptionInfo,
@@ -67,6 +75,7 @@ pub(crate) struct Subscription<T: Transport> {
     consumer: RefCell<Option<T::Consumer>>,
     /// Whether the consumer may still deliver (its stream has not ended).
     receiving: Cell<bool>,
+    removing: Cell<bool>,
     waker_state: Arc<SubscriptionWaker>,
     waker: Waker,
     nack_delay: Duration,
@@ -74,6 +83,8 @@ pub(crate) struct Subscription<T: Transport> {
     /// the same for every message of the subscription).
     held: RefCell<VecDeque<(Instant, MessageId)>>,
     pub(crate) processing_timeout: Option<Duration>,
+    /// Whether messages carry their ordering key into the scheduler.
+    keyed: bool,
     receive_failure_limit: Duration,
     failures: RefCell<ReceiveFailures>,
 }
@@ -110,17 +121,17 @@ const RECEIVE_ERROR_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 impl<T: Transport> Subscription<T> {
     pub(crate) fn new(
-        index: usize,
+        id: SubscriptionId,
         key: SubscriptionKey,
         spec: SubscriptionSpec,
         consumer: T::Consumer,
         handler: Handler<T>,
         woken: Arc<WokenList>,
     ) -> Self {
-        let waker_state = SubscriptionWaker::new(index, woken);
+        let waker_state = SubscriptionWaker::new(id.index, woken);
         let info = spec.info();
         Subscription {
-            index,
+            id,
             key,
             topic: Rc::from(info.topic.as_str()),
             info,
@@ -129,19 +140,48 @@ impl<T: Transport> Subscription<T> {
             counters: Counters::default(),
             consumer: RefCell::new(Some(consumer)),
             receiving: Cell::new(true),
+            removing: Cell::new(false),
             waker: Waker::from(waker_state.clone()),
             waker_state,
             nack_delay: spec.nack_delay,
             held: RefCell::default(),
             processing_timeout: spec.processing_timeout,
+            keyed: spec.scheduling.ordering == Ordering::Key,
             receive_failure_limit: spec.receive_failure_limit,
             failures: RefCell::default(),
         }
     }
 
-    /// Whether the consumer may still deliver.
+    /// The hash of the key that orders `message` (its partition key, else
+    /// its ordering key), for a key-ordered subscription.
+    pub(crate) fn order_key(&self, message: &Message) -> Option<u64> {
+        if !self.keyed {
+            return None;
+        }
+        let key: &[u8] = match (message.partition_key(), message.ordering_key()) {
+            (Some(key), _) => key.as_bytes(),
+            (None, Some(key)) => key,
+            (None, None) => return None,
+        };
+        let mut hasher = std::hash::DefaultHasher::new();
+        std::hash::Hasher::write(&mut hasher, key);
+        Some(std::hash::Hasher::finish(&hasher))
+    }
+
+    /// Whether the consumer may still deliver, and the subscription is not
+    /// being removed.
     pub(crate) fn is_receiving(&self) -> bool {
-        self.receiving.get()
+        self.receiving.get() && !self.removing.get()
+    }
+
+    /// Whether the subscription is being removed.
+    pub(crate) fn is_removing(&self) -> bool {
+        self.removing.get()
+    }
+
+    /// Stops taking messages from the consumer, for good.
+    pub(crate) fn start_removing(&self) {
+        self.removing.set(true);
     }
 
     /// Lists the subscription as woken, so that its consumer is polled by

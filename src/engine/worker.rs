@@ -26,6 +26,7 @@ use super::{Engine, Handler, MessageBox, Pool};
 use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{panic_text, Deadline, HandlerError, IntoReply, Outcome, Verdict};
+use crate::scheduler::Permit;
 use crate::transport::Transport;
 
 /// How many messages a worker handles in one poll before it yields.
@@ -209,6 +210,8 @@ pub(crate) struct Job<T: Transport> {
     subscription: Rc<Subscription<T>>,
     /// Taken back into the engine's spares when the job ends.
     message: Option<MessageBox>,
+    /// Given back to the scheduler when the job ends.
+    permit: Option<Permit>,
     /// Handed to a worker that has not started it yet.
     handed_over: bool,
     finished: bool,
@@ -219,11 +222,13 @@ impl<T: Transport> Job<T> {
         engine: Rc<Engine<T>>,
         subscription: Rc<Subscription<T>>,
         message: MessageBox,
+        permit: Permit,
     ) -> Self {
         Job {
             engine,
             subscription,
             message: Some(message),
+            permit: Some(permit),
             handed_over: false,
             finished: false,
         }
@@ -295,6 +300,13 @@ impl<T: Transport> Drop for Job<T> {
         if let Some(message) = self.message.take() {
             self.engine.recycle(message);
         }
-        self.engine.release_permit(!self.finished);
+        let permit = self
+            .permit
+            .take()
+            .expect("a job holds its permit until it ends");
+        self.engine.release_permit(permit, !self.finished);
+        if self.subscription.is_removing() {
+            self.engine.drained.notify_waiters();
+        }
     }
 }

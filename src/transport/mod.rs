@@ -104,6 +104,27 @@ impl OutgoingMessage {
         }
     }
 
+    /// Adds a property.
+    #[must_use]
+    pub fn with_property(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.push((key.into(), value.into()));
+        self
+    }
+
+    /// Sets the partition key.
+    #[must_use]
+    pub fn with_partition_key(mut self, key: impl Into<String>) -> Self {
+        self.partition_key = Some(key.into());
+        self
+    }
+
+    /// Sets the ordering key.
+    #[must_use]
+    pub fn with_ordering_key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
     /// The value of one property.
     pub fn property(&self, key: &str) -> Option<&str> {
         find_property(&self.properties, key)

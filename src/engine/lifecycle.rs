@@ -1,0 +1,311 @@
+//! The engine's life: starting, the engine task, timers (held nacks,
+//! receive retries, the shutdown deadline), and shutdown.
+
+use std::future::{poll_fn, Future};
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::FutureExt;
+use tokio::time::{sleep_until, Instant};
+use tracing::{debug, error, info, warn};
+
+use super::subscription::Subscription;
+use super::{Delivery, Engine, Phase, NO_POOL};
+use crate::error::{Error, MAX_DURATION};
+use crate::outcome::panic_text;
+use crate::routing::{retry_topic_problems, RetryTopicCheck};
+use crate::transport::Transport;
+
+impl<T: Transport> Engine<T> {
+    /// Moves from `Idle` to `Running` and spawns the engine task.
+    pub(crate) fn start(self: &Rc<Self>) -> Result<(), Error> {
+        match self.phase() {
+            Phase::Idle => {}
+            phase => {
+                return Err(Error::RunNotAllowed {
+                    state: phase.describe(),
+                })
+            }
+        }
+        self.check_retry_topics()?;
+        self.phase.set(Phase::Running);
+        let subscriptions = self.all_subscriptions();
+        // Every consumer is polled once, which also hands it its waker.
+        for subscription in &subscriptions {
+            subscription.wake();
+        }
+        info!(subscriptions = subscriptions.len(), "dispatcher running");
+        tokio::task::spawn_local(self.clone().supervise());
+        Ok(())
+    }
+
+    fn check_retry_topics(&self) -> Result<(), Error> {
+        if self.retry_topic_check == RetryTopicCheck::Ignore {
+            return Ok(());
+        }
+        let problems = retry_topic_problems(&self.subscription_infos());
+        if problems.is_empty() {
+            return Ok(());
+        }
+        if self.retry_topic_check == RetryTopicCheck::Refuse {
+            return Err(Error::RetryTopics(problems));
+        }
+        for problem in &problems {
+            warn!(%problem, "retry topic check");
+        }
+        Ok(())
+    }
+
+    /// The retry topic check for subscriptions added while running: it
+    /// cannot refuse to start any more, so it warns (unless ignored).
+    pub(super) fn warn_about_retry_topics(&self) {
+        if self.retry_topic_check == RetryTopicCheck::Ignore {
+            return;
+        }
+        for problem in retry_topic_problems(&self.subscription_infos()) {
+            warn!(%problem, "retry topic check");
+        }
+    }
+
+    /// The engine task. If it panics (a bug), the dispatcher still fails
+    /// with an error and closes, rather than leave `run()` waiting.
+    async fn supervise(self: Rc<Self>) {
+        let driven = AssertUnwindSafe(self.clone().drive()).catch_unwind().await;
+        let Err(panic) = driven else {
+            return;
+        };
+        self.fail(Error::EngineFailed {
+            reason: format!("the engine task panicked: {}", panic_text(panic.as_ref())),
+        });
+        let closed = AssertUnwindSafe(self.shut_down()).catch_unwind().await;
+        if closed.is_err() {
+            self.mark_closed();
+        }
+    }
+
+    /// Until shutdown has drained everything, polls the consumers that
+    /// woke, dispatches and keeps the timers; then shuts down.
+    async fn drive(self: Rc<Self>) {
+        poll_fn(|cx| self.poll_until_drained(cx)).await;
+        self.shut_down().await;
+    }
+
+    fn poll_until_drained(self: &Rc<Self>, cx: &mut Context<'_>) -> Poll<()> {
+        // Registered before anything is looked at, so that no wake-up
+        // between the look and the return is lost.
+        self.woken.register_engine(cx.waker());
+        let kept = self.dispatch(NO_POOL);
+        debug_assert!(kept.is_none(), "the engine keeps no job");
+        self.poll_timers(cx);
+        if self.phase() != Phase::Running && self.scheduler.borrow().is_idle() {
+            return Poll::Ready(());
+        }
+        Poll::Pending
+    }
+
+    // ----- timers -----
+
+    /// Notes that `subscription` has something due later (a held nack, a
+    /// receive to retry), so that the engine's timer covers it.
+    pub(crate) fn watch_timers(&self, subscription: &Rc<Subscription<T>>) {
+        let mut timed = self.timed.borrow_mut();
+        if !timed
+            .iter()
+            .any(|watched| Rc::ptr_eq(watched, subscription))
+        {
+            timed.push(subscription.clone());
+        }
+        self.woken.wake_engine();
+    }
+
+    /// Does what is due (held nacks, receive retries, the shutdown
+    /// deadline) and sets the timer for what comes next.
+    fn poll_timers(&self, cx: &mut Context<'_>) {
+        let now = Instant::now();
+        let mut next = self.stop_deadline.get().filter(|_| !self.cancelling.get());
+        if next.is_some_and(|deadline| deadline <= now) {
+            self.cancel_handlers();
+            next = None;
+        }
+        self.timed
+            .borrow_mut()
+            .retain(|subscription| match subscription.on_timers(now) {
+                Some(due) => {
+                    next = Some(next.map_or(due, |next| next.min(due)));
+                    true
+                }
+                None => false,
+            });
+        let Some(next) = next else {
+            return;
+        };
+        let mut timer = self.timer.borrow_mut();
+        let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(next)));
+        if timer.deadline() != next {
+            timer.as_mut().reset(next);
+        }
+        if timer.as_mut().poll(cx).is_ready() {
+            cx.waker().wake_by_ref();
+        }
+    }
+
+    // ----- shutting down -----
+
+    /// Records an unexpected failure and starts shutdown.
+    pub(crate) fn fail(&self, failure: Error) {
+        error!(error = %failure, "dispatcher failure; shutting down");
+        self.failure.borrow_mut().get_or_insert(failure);
+        self.request_stop();
+    }
+
+    /// The failure that forced a shutdown, if any.
+    pub(crate) fn take_failure(&self) -> Option<Error> {
+        self.failure.borrow_mut().take()
+    }
+
+    /// Starts shutdown if the dispatcher is running; otherwise does nothing.
+    pub(crate) fn request_stop(&self) {
+        if self.phase() != Phase::Running {
+            return;
+        }
+        debug!("shutdown requested; no more messages are received");
+        self.phase.set(Phase::Stopping);
+        self.scheduler.borrow_mut().close();
+        if let Some(limit) = self.shutdown_timeout {
+            self.shorten_stop_deadline(limit);
+        }
+        self.woken.wake_engine();
+    }
+
+    /// Makes a shutdown cancel the handlers still running after `limit`
+    /// (from now), unless an earlier deadline is set.
+    fn shorten_stop_deadline(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let earlier = self
+            .stop_deadline
+            .get()
+            .map_or(deadline, |set| set.min(deadline));
+        self.stop_deadline.set(Some(earlier));
+        self.woken.wake_engine();
+    }
+
+    /// Past the shutdown deadline: messages still waiting are nacked and
+    /// every handler still running is dropped (its message nacked).
+    fn cancel_handlers(&self) {
+        self.cancelling.set(true);
+        loop {
+            let waiting = self.scheduler.borrow_mut().take_waiting();
+            let Some((
+                _,
+                Delivery {
+                    subscription,
+                    message,
+                },
+            )) = waiting
+            else {
+                break;
+            };
+            subscription.nack_at_once(message.get().id());
+            self.recycle(message);
+        }
+        let running = self.scheduler.borrow().in_flight();
+        warn!(
+            running,
+            "shutdown deadline passed; cancelling the handlers still running"
+        );
+        for pool in self.pools.borrow().values() {
+            pool.cancel();
+        }
+    }
+
+    /// Counts a job dropped by the shutdown deadline.
+    pub(crate) fn note_cancelled(&self) {
+        if self.cancelling.get() {
+            self.cancelled.set(self.cancelled.get() + 1);
+        }
+    }
+
+    /// How many handlers the shutdown deadline cancelled.
+    pub(crate) fn cancelled(&self) -> usize {
+        self.cancelled.get()
+    }
+
+    /// Once nothing waits or runs: ends the workers, sends held nacks,
+    /// closes the consumers, then the producers and the connection.
+    async fn shut_down(&self) {
+        debug!("queued messages handled; closing consumers");
+        self.phase.set(Phase::Drained);
+        for pool in self.pools.borrow().values() {
+            pool.close();
+        }
+        let subscriptions = self.all_subscriptions();
+        for subscription in &subscriptions {
+            subscription.send_held_nacks();
+        }
+        self.timed.borrow_mut().clear();
+        futures::future::join_all(subscriptions.iter().map(|s| s.close())).await;
+        self.close_transport().await;
+    }
+
+    async fn close_transport(&self) {
+        self.router.close().await;
+        if let Err(error) = self.transport.close().await {
+            error!(%error, "closing the connection failed");
+            self.failure.borrow_mut().get_or_insert(Error::Close(error));
+        }
+        self.mark_closed();
+        info!("dispatcher closed");
+    }
+
+    fn mark_closed(&self) {
+        self.phase.set(Phase::Closed);
+        self.closed.notify_waiters();
+    }
+
+    /// Shuts down (or, before `run()`, closes the consumers and the
+    /// connection) and waits until everything is closed. The work runs in
+    /// a task of its own, so a caller dropped mid-way does not abort it.
+    pub(crate) async fn close(self: &Rc<Self>) {
+        self.begin_close();
+        self.wait_closed().await
+    }
+
+    /// Like [`close`](Self::close), but cancels the handlers still running
+    /// after `limit`; returns how many were cancelled.
+    pub(crate) async fn close_within(self: &Rc<Self>, limit: Duration) -> usize {
+        self.begin_close();
+        if self.phase() == Phase::Stopping {
+            self.shorten_stop_deadline(limit.min(MAX_DURATION));
+        }
+        self.wait_closed().await;
+        self.cancelled()
+    }
+
+    fn begin_close(self: &Rc<Self>) {
+        match self.phase() {
+            Phase::Idle => {
+                self.phase.set(Phase::Stopping);
+                let engine = self.clone();
+                tokio::task::spawn_local(async move {
+                    let subscriptions = engine.all_subscriptions();
+                    futures::future::join_all(subscriptions.iter().map(|s| s.close())).await;
+                    engine.close_transport().await;
+                });
+            }
+            Phase::Running => self.request_stop(),
+            Phase::Stopping | Phase::Drained | Phase::Closed => {}
+        }
+    }
+
+    pub(crate) async fn wait_closed(&self) {
+        loop {
+            let notified = self.closed.notified();
+            if self.phase() == Phase::Closed {
+                return;
+            }
+            notified.await;
+        }
+    }
+}

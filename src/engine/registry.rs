@@ -1,0 +1,269 @@
+//! Registering subscriptions, before or while the dispatcher runs:
+//! creating their consumers and producers, adding them to the scheduler,
+//! changing their priority, removing them again, and what is known about
+//! them.
+
+use std::any::TypeId;
+use std::rc::Rc;
+
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::subscription::{Subscription, SubscriptionId, SubscriptionSpec};
+use super::worker::WorkerPool;
+use super::{DispatcherStats, Engine, Handler, Phase};
+use crate::error::Error;
+use crate::message::Message;
+use crate::outcome::{HandlerError, IntoReply, SubscriptionInfo};
+use crate::transport::{Consumer, Transport};
+
+impl<T: Transport> Engine<T> {
+    /// Creates a consumer for every spec, then registers them all at once,
+    /// with one handler. If any creation fails, or the dispatcher started or
+    /// closed in the meantime, closes what it created and registers nothing.
+    pub(crate) async fn subscribe_all<F, R, E>(
+        &self,
+        specs: Vec<SubscriptionSpec>,
+        handler: F,
+    ) -> Result<Vec<SubscriptionId>, Error>
+    where
+        F: AsyncFn(&Message) -> Result<R, E> + 'static,
+        R: IntoReply + 'static,
+        E: Into<HandlerError> + 'static,
+    {
+        let Some(first) = specs.first() else {
+            return Ok(Vec::new());
+        };
+        let first_topic = first.consumer.topic.clone();
+        self.accepting_subscriptions(&first_topic)?;
+        let mut consumers = Vec::with_capacity(specs.len());
+        for spec in &specs {
+            match self.create(spec).await {
+                Ok(consumer) => consumers.push(consumer),
+                Err(error) => {
+                    close_consumers::<T>(consumers, "of a failed subscribe").await;
+                    return Err(error);
+                }
+            }
+        }
+        if let Err(refused) = self.accepting_subscriptions(&first_topic) {
+            close_consumers::<T>(consumers, "of a refused subscribe").await;
+            return Err(refused);
+        }
+        let pool = self
+            .pools
+            .borrow_mut()
+            .entry(TypeId::of::<F>())
+            .or_insert_with(|| WorkerPool::<T, F, R, E>::new())
+            .clone();
+        let handler = WorkerPool::<T, F, R, E>::handler(pool, handler);
+        let ids: Vec<_> = specs
+            .into_iter()
+            .zip(consumers)
+            .map(|(spec, consumer)| self.register(spec, consumer, handler.clone()))
+            .collect();
+        if self.phase() == Phase::Running {
+            self.warn_about_retry_topics();
+        }
+        Ok(ids)
+    }
+
+    /// Creates a subscription's consumer and the producers it publishes
+    /// with (so that a topic the broker refuses fails `subscribe`, not every
+    /// message later), within the subscription's time limit.
+    async fn create(&self, spec: &SubscriptionSpec) -> Result<T::Consumer, Error> {
+        let topic = &spec.consumer.topic;
+        let timed_out = || Error::SubscribeTimeout {
+            topic: topic.clone(),
+            subscription: spec.consumer.subscription.clone(),
+            waited: spec.subscribe_timeout,
+        };
+        let deadline = Instant::now() + spec.subscribe_timeout;
+        // The transport's futures may be large (the `pulsar` crate's are,
+        // in debug builds); boxed, they do not make every future around
+        // them, and the stack that polls them, large too.
+        let subscribing = Box::pin(self.transport.subscribe(&spec.consumer));
+        let consumer = match tokio::time::timeout_at(deadline, subscribing).await {
+            Ok(Ok(consumer)) => consumer,
+            Ok(Err(source)) => {
+                return Err(Error::Subscribe {
+                    topic: topic.clone(),
+                    source,
+                })
+            }
+            Err(_) => return Err(timed_out()),
+        };
+        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing));
+        let prepared = tokio::time::timeout_at(deadline, preparing).await;
+        let failure = match prepared {
+            Ok(Ok(())) => return Ok(consumer),
+            Ok(Err((topic, source))) => Error::Producer { topic, source },
+            Err(_) => timed_out(),
+        };
+        close_consumers::<T>(vec![consumer], "of a failed subscribe").await;
+        Err(failure)
+    }
+
+    fn accepting_subscriptions(&self, topic: &str) -> Result<(), Error> {
+        match self.phase() {
+            Phase::Idle | Phase::Running => Ok(()),
+            phase => Err(Error::SubscribeNotAllowed {
+                topic: topic.to_owned(),
+                state: phase.describe(),
+            }),
+        }
+    }
+
+    fn register(
+        &self,
+        spec: SubscriptionSpec,
+        consumer: T::Consumer,
+        handler: Handler<T>,
+    ) -> SubscriptionId {
+        self.router.register(&spec.routing);
+        let key = self.scheduler.borrow_mut().add(spec.scheduling);
+        let serial = self.next_serial.get();
+        self.next_serial.set(serial + 1);
+        let subscription = {
+            let mut subscriptions = self.subscriptions.borrow_mut();
+            let entry = subscriptions.vacant_entry();
+            let id = SubscriptionId {
+                index: entry.key(),
+                serial,
+            };
+            let subscription = Rc::new(Subscription::new(
+                id,
+                key,
+                spec,
+                consumer,
+                handler,
+                self.woken.clone(),
+            ));
+            entry.insert(subscription.clone());
+            subscription
+        };
+        if self.phase() == Phase::Running {
+            // Polled at once, which also hands the consumer its waker.
+            subscription.wake();
+        }
+        subscription.id
+    }
+
+    /// The subscription `id` names, if it is still registered.
+    pub(crate) fn subscription(&self, id: SubscriptionId) -> Option<Rc<Subscription<T>>> {
+        self.subscriptions
+            .borrow()
+            .get(id.index)
+            .filter(|subscription| subscription.id == id)
+            .cloned()
+    }
+
+    /// Every registered subscription, in the order they were made.
+    pub(super) fn all_subscriptions(&self) -> Vec<Rc<Subscription<T>>> {
+        let mut all: Vec<_> = self
+            .subscriptions
+            .borrow()
+            .iter()
+            .map(|(_, subscription)| subscription.clone())
+            .collect();
+        all.sort_by_key(|subscription| subscription.id.serial);
+        all
+    }
+
+    /// The registered subscriptions, in the order they were made, with
+    /// their current priorities.
+    pub(crate) fn subscription_infos(&self) -> Vec<SubscriptionInfo> {
+        self.all_subscriptions()
+            .iter()
+            .map(|subscription| {
+                let mut info = subscription.info.clone();
+                info.priority = self.scheduler.borrow().priority(subscription.key);
+                info
+            })
+            .collect()
+    }
+
+    pub(crate) fn stats(&self) -> DispatcherStats {
+        let subscriptions = self
+            .all_subscriptions()
+            .iter()
+            .map(|subscription| {
+                let mut stats = subscription.stats();
+                stats.priority = self.scheduler.borrow().priority(subscription.key);
+                stats
+            })
+            .collect();
+        let scheduler = self.scheduler.borrow();
+        DispatcherStats {
+            subscriptions,
+            in_flight: scheduler.in_flight(),
+            waiting: scheduler.waiting(),
+            concurrency: scheduler.in_flight() + scheduler.available(),
+        }
+    }
+
+    /// Moves a subscription to another priority; false if it is gone.
+    pub(crate) fn set_priority(&self, id: SubscriptionId, priority: i64) -> bool {
+        let Some(subscription) = self.subscription(id) else {
+            return false;
+        };
+        self.scheduler
+            .borrow_mut()
+            .set_priority(subscription.key, priority);
+        // A message it holds may now be the best: whoever dispatches next
+        // will see it.
+        self.woken.wake_engine();
+        true
+    }
+
+    /// Removes a subscription: it stops receiving, its waiting message is
+    /// still dispatched and its handlers finish, its held nacks are sent,
+    /// its consumer is closed, and its place is freed. Other subscriptions
+    /// go on meanwhile. Returns false if it was gone already.
+    pub(crate) async fn unsubscribe(&self, id: SubscriptionId) -> bool {
+        let Some(subscription) = self.subscription(id) else {
+            return false;
+        };
+        if subscription.is_removing() {
+            // Another call is removing it; wait for that one.
+            while self.subscription(id).is_some() && self.phase() != Phase::Closed {
+                self.drained.notified().await;
+            }
+            return true;
+        }
+        subscription.start_removing();
+        debug!(topic = %subscription.topic, "unsubscribing");
+        loop {
+            let notified = self.drained.notified();
+            let (held, in_flight) = self.scheduler.borrow().load(subscription.key);
+            if (held == 0 && in_flight == 0) || self.phase() == Phase::Closed {
+                break;
+            }
+            notified.await;
+        }
+        subscription.send_held_nacks();
+        subscription.close().await;
+        if self.phase() != Phase::Closed {
+            let removed = self
+                .scheduler
+                .borrow_mut()
+                .remove_subscription(subscription.key);
+            debug_assert!(removed, "a drained subscription leaves the scheduler");
+            self.subscriptions.borrow_mut().remove(id.index);
+            self.timed
+                .borrow_mut()
+                .retain(|watched| !Rc::ptr_eq(watched, &subscription));
+        }
+        self.drained.notify_waiters();
+        info!(topic = %subscription.topic, "unsubscribed");
+        true
+    }
+}
+
+async fn close_consumers<T: Transport>(consumers: Vec<T::Consumer>, which: &str) {
+    for mut consumer in consumers {
+        if let Err(error) = consumer.close().await {
+            warn!(%error, "closing a consumer {which} failed");
+        }
+    }
+}

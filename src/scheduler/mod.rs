@@ -1,0 +1,624 @@
+//! The pure scheduler: priority levels, the messages each subscription
+//! holds, per-subscription limits, key ordering, the permit count, and the
+//! policy that chooses among levels.
+//!
+//! This module owns the decision of *which* waiting message runs next and
+//! *whether* anything may run at all. It knows nothing of Pulsar, tasks,
+//! wakers or I/O: it is generic over the message type and driven through
+//! plain method calls, so it can be tested exhaustively and benchmarked
+//! alone. Whoever inserts a message or returns a permit asks it for work
+//! right away; nothing in it waits.
+//!
+//! Invariants:
+//! - a subscription holds at most one message (its slot), or, ordered by
+//!   key, at most its key buffer; it is offered more only while it has room,
+//!   which is how backpressure reaches the consumer;
+//! - a subscription is in its level's ready queue exactly when it holds a
+//!   message that may run now (its key free) and is below its own
+//!   in-flight limit; so a ready queue never holds more entries than its
+//!   level has members, and a pick never looks at a subscription that
+//!   cannot run;
+//! - `ready_levels` has bit `b` set exactly when level `b`'s ready queue is
+//!   non-empty, so finding the best level with work is a bit scan;
+//! - `available + in_flight == concurrency`, and a message at priority `p`
+//!   takes a permit only if more are free than are reserved for levels
+//!   better than `p`;
+//! - two messages of a key-ordered subscription with the same key are never
+//!   in flight at once, and start in the order they were inserted.
+//!
+//! Picks allocate nothing and do not look at every subscription: one bit
+//! scan and one pop, plus, for [`SchedulingPolicy::Aging`], one look per
+//! level within the aging bound of the best.
+
+mod held;
+mod policy;
+
+use std::collections::VecDeque;
+use std::num::NonZeroUsize;
+use std::time::{Duration, Instant};
+
+use slab::Slab;
+
+use self::held::{Held, Waiting};
+use self::policy::Reservations;
+pub use self::policy::{Aging, SchedulingPolicy, Weights};
+
+/// Identifies one subscription inside a [`Scheduler`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SubscriptionKey(usize);
+
+/// How the messages of one subscription may overlap.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ordering {
+    /// Messages start in the order they are received and run concurrently
+    /// (the default).
+    #[default]
+    Unordered,
+    /// Messages with the same key never run at once and start in the order
+    /// they were received; messages with different keys, or without one,
+    /// run concurrently. A message whose key is busy waits without holding
+    /// up other keys.
+    Key,
+    /// One message at a time, in the order they are received.
+    Subscription,
+}
+
+/// A subscription's place in the scheduler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SubscriptionConfig {
+    /// Lower values are served first.
+    pub priority: i64,
+    /// The most of its messages in flight at once (none beyond the global
+    /// limit when `None`).
+    pub max_in_flight: Option<NonZeroUsize>,
+    /// How its messages may overlap.
+    pub ordering: Ordering,
+    /// For [`Ordering::Key`], how many messages it may hold while their keys
+    /// are busy (at least 1).
+    pub key_buffer: usize,
+}
+
+impl SubscriptionConfig {
+    /// Unordered, no limit of its own, at `priority`.
+    pub fn new(priority: i64) -> Self {
+        SubscriptionConfig {
+            priority,
+            max_in_flight: None,
+            ordering: Ordering::Unordered,
+            key_buffer: 1,
+        }
+    }
+}
+
+/// Why a message could not be put into its subscription's slot. The message
+/// is handed back so that the caller can settle it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Rejected<M> {
+    /// The subscription holds as many messages as it may.
+    Full(M),
+    /// The scheduler has been closed to new insertions.
+    Closed(M),
+}
+
+/// A dispatched message's permit. Give it back with
+/// [`Scheduler::release`] when the message's processing has ended.
+#[derive(Debug)]
+#[must_use = "a permit not released is lost"]
+pub struct Permit {
+    subscription: SubscriptionKey,
+    key: Option<u64>,
+}
+
+impl Permit {
+    /// The subscription the message came from.
+    pub fn subscription(&self) -> SubscriptionKey {
+        self.subscription
+    }
+}
+
+struct Subscription<M> {
+    level: usize,
+    held: Held<M>,
+    in_flight: usize,
+    limit: usize,
+    /// In its level's ready queue.
+    queued: bool,
+}
+
+impl<M> Subscription<M> {
+    fn is_ready(&self) -> bool {
+        self.held.has_dispatchable() && self.in_flight < self.limit
+    }
+}
+
+struct Level {
+    priority: i64,
+    members: usize,
+    /// Subscriptions that may run, in the order they became ready. Popping
+    /// the front and pushing back a subscription that is ready again is
+    /// what makes equal priorities take turns.
+    ready: VecDeque<SubscriptionKey>,
+    /// Its weight, and the dispatches left in its turn (weighted policy).
+    weight: u32,
+    deficit: u32,
+    /// Free permits its messages must leave for better levels.
+    to_leave: usize,
+}
+
+/// Chooses the next message to run among subscriptions grouped by priority
+/// level, under a global concurrency limit.
+pub struct Scheduler<M> {
+    subscriptions: Slab<Subscription<M>>,
+    /// Sorted by ascending priority value: index 0 is served first.
+    levels: Vec<Level>,
+    /// Bit `b` of word `b / 64` is set when level `b` has a ready
+    /// subscription.
+    ready_levels: Vec<u64>,
+    concurrency: usize,
+    available: usize,
+    /// Messages held, across all subscriptions.
+    waiting: usize,
+    closed: bool,
+    policy: SchedulingPolicy,
+    reservations: Reservations,
+    /// The level whose turn it is (weighted policy).
+    turn: Option<usize>,
+    clock: fn() -> Instant,
+}
+
+impl<M> std::fmt::Debug for Scheduler<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("subscriptions", &self.subscriptions.len())
+            .field("levels", &self.levels.len())
+            .field("waiting", &self.waiting)
+            .field("in_flight", &self.in_flight())
+            .field("concurrency", &self.concurrency)
+            .field("policy", &self.policy)
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
+impl<M> Scheduler<M> {
+    /// A strict-priority scheduler that lets at most `concurrency` messages
+    /// be in flight.
+    pub fn new(concurrency: NonZeroUsize) -> Self {
+        Self::with_policy(concurrency, SchedulingPolicy::Strict)
+    }
+
+    /// A scheduler that chooses among levels by `policy`.
+    pub fn with_policy(concurrency: NonZeroUsize, policy: SchedulingPolicy) -> Self {
+        Scheduler {
+            subscriptions: Slab::new(),
+            levels: Vec::new(),
+            ready_levels: Vec::new(),
+            concurrency: concurrency.get(),
+            available: concurrency.get(),
+            waiting: 0,
+            closed: false,
+            policy,
+            reservations: Reservations::default(),
+            turn: None,
+            clock: Instant::now,
+        }
+    }
+
+    /// Replaces the clock the aging policy reads (for tests).
+    pub fn with_clock(mut self, clock: fn() -> Instant) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Keeps `permits` permits for messages at `priority` or better: a
+    /// message at a worse level takes a permit only while more than those
+    /// are free. Reservations add up.
+    ///
+    /// # Panics
+    ///
+    /// If the reservations would exceed the concurrency limit.
+    pub fn reserve(&mut self, priority: i64, permits: usize) {
+        assert!(
+            self.reservations.total() + permits <= self.concurrency,
+            "reservations exceed the concurrency limit"
+        );
+        self.reservations.reserve(priority, permits);
+        for level in &mut self.levels {
+            level.to_leave = self.reservations.to_leave(level.priority);
+        }
+    }
+
+    /// Registers an unordered subscription at `priority` (lower values are
+    /// served first) with no limit of its own.
+    pub fn add_subscription(&mut self, priority: i64) -> SubscriptionKey {
+        self.add(SubscriptionConfig::new(priority))
+    }
+
+    /// Registers a subscription.
+    pub fn add(&mut self, config: SubscriptionConfig) -> SubscriptionKey {
+        let mut limit = config.max_in_flight.map_or(usize::MAX, NonZeroUsize::get);
+        let keyed = config.ordering == Ordering::Key;
+        if config.ordering == Ordering::Subscription {
+            limit = 1;
+        }
+        let held = Held::new(keyed, config.key_buffer.max(1), limit.min(self.concurrency));
+        let level = self.level_for(config.priority);
+        self.join(level);
+        SubscriptionKey(self.subscriptions.insert(Subscription {
+            level,
+            held,
+            in_flight: 0,
+            limit,
+            queued: false,
+        }))
+    }
+
+    /// Unregisters a subscription that holds nothing and has nothing in
+    /// flight, and frees its key for reuse; returns false (and changes
+    /// nothing) otherwise.
+    pub fn remove_subscription(&mut self, key: SubscriptionKey) -> bool {
+        let subscription = &self.subscriptions[key.0];
+        if subscription.held.len() > 0 || subscription.in_flight > 0 {
+            return false;
+        }
+        let level = subscription.level;
+        self.subscriptions.remove(key.0);
+        self.leave(level);
+        true
+    }
+
+    /// Moves a subscription to another priority level, effective at the
+    /// next pick. A message it holds moves with it, to the back of its new
+    /// level's turns.
+    pub fn set_priority(&mut self, key: SubscriptionKey, priority: i64) {
+        if self.priority(key) == priority {
+            return;
+        }
+        self.unqueue(key);
+        // Join the new level before leaving the old one: creating the new
+        // level, and removing the old one if it empties, both renumber the
+        // levels, and each renumbering must see where this subscription is.
+        let new = self.level_for(priority);
+        self.join(new);
+        let old = std::mem::replace(&mut self.subscriptions[key.0].level, new);
+        self.leave(old);
+        self.requeue(key);
+    }
+
+    /// The priority of a subscription.
+    pub fn priority(&self, key: SubscriptionKey) -> i64 {
+        self.levels[self.subscriptions[key.0].level].priority
+    }
+
+    /// Whether the subscription may be offered another message.
+    pub fn has_vacancy(&self, key: SubscriptionKey) -> bool {
+        self.subscriptions[key.0].held.has_room()
+    }
+
+    /// Puts `message` into the subscription's slot.
+    pub fn try_insert(&mut self, key: SubscriptionKey, message: M) -> Result<(), Rejected<M>> {
+        self.try_insert_keyed(key, message, None)
+    }
+
+    /// Puts `message` into the subscription's slot; `order_key` is the hash
+    /// of its ordering key (used by [`Ordering::Key`] subscriptions only).
+    pub fn try_insert_keyed(
+        &mut self,
+        key: SubscriptionKey,
+        message: M,
+        order_key: Option<u64>,
+    ) -> Result<(), Rejected<M>> {
+        if self.closed {
+            return Err(Rejected::Closed(message));
+        }
+        let since = matches!(self.policy, SchedulingPolicy::Aging(_)).then(self.clock);
+        let subscription = &mut self.subscriptions[key.0];
+        if !subscription.held.has_room() {
+            return Err(Rejected::Full(message));
+        }
+        subscription.held.insert(Waiting {
+            message,
+            key: order_key,
+            since,
+        });
+        self.waiting += 1;
+        self.requeue(key);
+        Ok(())
+    }
+
+    /// Takes a permit and then the best waiting message, if there is both.
+    ///
+    /// The permit comes first: while none is free, messages stay where they
+    /// are, so the choice is made when capacity frees up.
+    pub fn try_dispatch(&mut self) -> Option<(Permit, M)> {
+        if self.available == 0 {
+            return None;
+        }
+        let level = self.choose_level()?;
+        let key = self.pop_ready(level);
+        let subscription = &mut self.subscriptions[key.0];
+        let waiting = subscription
+            .held
+            .take_next()
+            .expect("a ready subscription holds a message that may run");
+        subscription.in_flight += 1;
+        self.available -= 1;
+        self.waiting -= 1;
+        if matches!(self.policy, SchedulingPolicy::Weighted(_)) {
+            let level = &mut self.levels[level];
+            level.deficit = level.deficit.saturating_sub(1);
+        }
+        self.requeue(key);
+        let permit = Permit {
+            subscription: key,
+            key: waiting.key,
+        };
+        Some((permit, waiting.message))
+    }
+
+    /// Takes any waiting message without a permit (to give it back when the
+    /// dispatcher gives up on it).
+    pub fn take_waiting(&mut self) -> Option<(SubscriptionKey, M)> {
+        let (index, subscription) = self
+            .subscriptions
+            .iter_mut()
+            .find(|(_, subscription)| subscription.held.len() > 0)?;
+        let waiting = subscription.held.take_any().expect("held");
+        self.waiting -= 1;
+        let key = SubscriptionKey(index);
+        if !self.subscriptions[index].is_ready() {
+            self.unqueue(key);
+        }
+        Some((key, waiting.message))
+    }
+
+    /// Returns the permit of a message whose processing has ended.
+    pub fn release(&mut self, permit: Permit) {
+        assert!(self.available < self.concurrency, "permit released twice");
+        self.available += 1;
+        let subscription = &mut self.subscriptions[permit.subscription.0];
+        subscription.in_flight -= 1;
+        subscription.held.release(permit.key);
+        self.requeue(permit.subscription);
+    }
+
+    /// Number of dispatched messages whose permit has not come back yet.
+    pub fn in_flight(&self) -> usize {
+        self.concurrency - self.available
+    }
+
+    /// Number of permits free.
+    pub fn available(&self) -> usize {
+        self.available
+    }
+
+    /// Number of messages held, not yet dispatched.
+    pub fn waiting(&self) -> usize {
+        self.waiting
+    }
+
+    /// Messages of one subscription held and in flight.
+    pub fn load(&self, key: SubscriptionKey) -> (usize, usize) {
+        let subscription = &self.subscriptions[key.0];
+        (subscription.held.len(), subscription.in_flight)
+    }
+
+    /// Whether nothing waits and nothing is in flight.
+    pub fn is_idle(&self) -> bool {
+        self.waiting == 0 && self.in_flight() == 0
+    }
+
+    /// Refuses further insertions; messages already held stay to be
+    /// dispatched.
+    pub fn close(&mut self) {
+        self.closed = true;
+    }
+
+    // ----- choosing a level -----
+
+    fn choose_level(&mut self) -> Option<usize> {
+        let best = first_set_bit(&self.ready_levels, 0)?;
+        let chosen = match &self.policy {
+            SchedulingPolicy::Strict => best,
+            SchedulingPolicy::Weighted(_) => self.weighted_turn(best),
+            SchedulingPolicy::Aging(aging) => {
+                let aging = *aging;
+                self.most_aged(best, &aging)
+            }
+        };
+        // Reservations grow with the priority value, so if the chosen level
+        // must leave its permits, the best level with work is the one left
+        // to try.
+        [chosen, best]
+            .into_iter()
+            .find(|&level| self.available > self.levels[level].to_leave)
+    }
+
+    /// Deficit round robin across levels: the level whose turn it is keeps
+    /// it for as many dispatches as its weight, while it has work when a
+    /// pick comes; a level without work then loses the rest of its turn.
+    fn weighted_turn(&mut self, best: usize) -> usize {
+        if let Some(turn) = self.turn {
+            if self.level_is_ready(turn) && self.levels[turn].deficit > 0 {
+                return turn;
+            }
+        }
+        let next = self
+            .turn
+            .and_then(|turn| first_set_bit(&self.ready_levels, turn + 1))
+            .unwrap_or(best);
+        let level = &mut self.levels[next];
+        level.deficit = level.weight;
+        self.turn = Some(next);
+        next
+    }
+
+    /// The level whose next message has the best priority once improved by
+    /// its wait. Only levels within the largest boost of the best level can
+    /// win, so only those are looked at.
+    fn most_aged(&self, best: usize, aging: &Aging) -> usize {
+        let now = (self.clock)();
+        let mut chosen = (best, i64::MAX);
+        let mut next = Some(best);
+        while let Some(index) = next {
+            let level = &self.levels[index];
+            if level.priority.saturating_sub(aging.max_boost()) >= chosen.1 {
+                break;
+            }
+            let head = level.ready.front().expect("a ready level has a head");
+            let waited = self.subscriptions[head.0]
+                .held
+                .next_since()
+                .map_or(Duration::ZERO, |since| now.saturating_duration_since(since));
+            let effective = level.priority.saturating_sub(aging.boost(waited));
+            if effective < chosen.1 {
+                chosen = (index, effective);
+            }
+            next = first_set_bit(&self.ready_levels, index + 1);
+        }
+        chosen.0
+    }
+
+    // ----- ready queues and levels -----
+
+    /// Puts a subscription in its level's ready queue if it may run and is
+    /// not there yet; takes it out if it may not.
+    fn requeue(&mut self, key: SubscriptionKey) {
+        let subscription = &mut self.subscriptions[key.0];
+        if subscription.queued || !subscription.is_ready() {
+            return;
+        }
+        subscription.queued = true;
+        let level = subscription.level;
+        self.levels[level].ready.push_back(key);
+        self.ready_levels[level / 64] |= 1 << (level % 64);
+    }
+
+    fn unqueue(&mut self, key: SubscriptionKey) {
+        let subscription = &mut self.subscriptions[key.0];
+        if !std::mem::replace(&mut subscription.queued, false) {
+            return;
+        }
+        let level = subscription.level;
+        let ready = &mut self.levels[level].ready;
+        let at = ready.iter().position(|&k| k == key).expect("queued");
+        ready.remove(at);
+        self.clear_bit_if_idle(level);
+    }
+
+    fn pop_ready(&mut self, level: usize) -> SubscriptionKey {
+        let key = self.levels[level]
+            .ready
+            .pop_front()
+            .expect("ready bit set for an empty level");
+        self.subscriptions[key.0].queued = false;
+        self.clear_bit_if_idle(level);
+        key
+    }
+
+    fn level_is_ready(&self, level: usize) -> bool {
+        self.ready_levels[level / 64] & (1 << (level % 64)) != 0
+    }
+
+    fn clear_bit_if_idle(&mut self, level: usize) {
+        if self.levels[level].ready.is_empty() {
+            self.ready_levels[level / 64] &= !(1 << (level % 64));
+        }
+    }
+
+    /// The index of the level at `priority`, created if needed.
+    fn level_for(&mut self, priority: i64) -> usize {
+        match self
+            .levels
+            .binary_search_by_key(&priority, |level| level.priority)
+        {
+            Ok(found) => found,
+            Err(at) => {
+                self.insert_level(at, priority);
+                at
+            }
+        }
+    }
+
+    /// One more member in `level`: its ready queue gets room for every
+    /// member, so that it never grows while messages flow.
+    fn join(&mut self, level: usize) {
+        let level = &mut self.levels[level];
+        level.members += 1;
+        let room = level.members - level.ready.len();
+        level.ready.reserve(room);
+    }
+
+    /// One member fewer in `level`; an empty level is removed.
+    fn leave(&mut self, level: usize) {
+        self.levels[level].members -= 1;
+        if self.levels[level].members == 0 {
+            self.remove_level(level);
+        }
+    }
+
+    fn insert_level(&mut self, at: usize, priority: i64) {
+        let weight = match &self.policy {
+            SchedulingPolicy::Weighted(weights) => weights.of(priority),
+            _ => 1,
+        };
+        self.levels.insert(
+            at,
+            Level {
+                priority,
+                members: 0,
+                ready: VecDeque::new(),
+                weight,
+                deficit: 0,
+                to_leave: self.reservations.to_leave(priority),
+            },
+        );
+        self.shift_levels(|level| if level >= at { level + 1 } else { level });
+    }
+
+    fn remove_level(&mut self, at: usize) {
+        debug_assert!(self.levels[at].ready.is_empty());
+        self.levels.remove(at);
+        if self.turn == Some(at) {
+            self.turn = None;
+        }
+        self.shift_levels(|level| if level > at { level - 1 } else { level });
+    }
+
+    /// Renumbers the levels subscriptions and the turn point to, and
+    /// recomputes the ready bits.
+    fn shift_levels(&mut self, shift: impl Fn(usize) -> usize) {
+        for (_, subscription) in self.subscriptions.iter_mut() {
+            subscription.level = shift(subscription.level);
+        }
+        self.turn = self.turn.map(&shift);
+        self.rebuild_ready_bits();
+    }
+
+    fn rebuild_ready_bits(&mut self) {
+        self.ready_levels = vec![0; self.levels.len().div_ceil(64)];
+        for (index, level) in self.levels.iter().enumerate() {
+            if !level.ready.is_empty() {
+                self.ready_levels[index / 64] |= 1 << (index % 64);
+            }
+        }
+    }
+}
+
+/// The index of the first set bit at or after `from`.
+fn first_set_bit(words: &[u64], from: usize) -> Option<usize> {
+    let mut word_index = from / 64;
+    let mut word = *words.get(word_index)? & (!0u64 << (from % 64));
+    loop {
+        if word != 0 {
+            return Some(word_index * 64 + word.trailing_zeros() as usize);
+        }
+        word_index += 1;
+        word = *words.get(word_index)?;
+    }
+}
+#[cfg(test)]
+mod proptests;
+#[cfg(test)]
+mod tests;

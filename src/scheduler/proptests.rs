@@ -1,0 +1,289 @@
+//! The scheduler against a small reference model, on random sequences of
+//! operations: limits are never exceeded, strict picks take the best
+//! priority that may run, a key is never in flight twice and starts in
+//! order, and nothing is lost or handed out twice across add, remove and
+//! priority changes. Weighted shares converge to the weights.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::num::NonZeroUsize;
+
+use proptest::prelude::*;
+
+use super::*;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add {
+        priority: i64,
+        limit: Option<usize>,
+        ordering: u8,
+        key_buffer: usize,
+    },
+    Insert {
+        subscription: usize,
+        key: Option<u64>,
+    },
+    Dispatch,
+    Release(usize),
+    SetPriority {
+        subscription: usize,
+        priority: i64,
+    },
+    Remove(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => (0i64..4, proptest::option::of(1usize..3), 0u8..3, 1usize..4).prop_map(
+            |(priority, limit, ordering, key_buffer)| Op::Add { priority, limit, ordering, key_buffer }
+        ),
+        6 => (0usize..8, proptest::option::of(0u64..3))
+            .prop_map(|(subscription, key)| Op::Insert { subscription, key }),
+        5 => Just(Op::Dispatch),
+        4 => (0usize..16).prop_map(Op::Release),
+        1 => (0usize..8, 0i64..4)
+            .prop_map(|(subscription, priority)| Op::SetPriority { subscription, priority }),
+        1 => (0usize..8).prop_map(Op::Remove),
+    ]
+}
+
+/// What the model knows of one subscription.
+struct Model {
+    key: SubscriptionKey,
+    priority: i64,
+    limit: usize,
+    ordering: Ordering,
+    capacity: usize,
+    /// Held messages: (id, key), in insertion order.
+    held: Vec<(u64, Option<u64>)>,
+    /// Keys of its messages in flight (key ordering).
+    busy: Vec<u64>,
+    in_flight: usize,
+}
+
+impl Model {
+    /// Whether the held message at `index` may run now.
+    fn may_run(&self, index: usize) -> bool {
+        if self.in_flight >= self.limit {
+            return false;
+        }
+        match (self.ordering, self.held[index].1) {
+            (Ordering::Key, Some(key)) => {
+                !self.busy.contains(&key)
+                    && !self.held[..index].iter().any(|(_, k)| *k == Some(key))
+            }
+            (Ordering::Key, None) => true,
+            // One slot: the held message is the next one.
+            _ => index == 0,
+        }
+    }
+
+    fn has_runnable(&self) -> bool {
+        (0..self.held.len()).any(|index| self.may_run(index))
+    }
+}
+
+fn check(concurrency: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let mut s: Scheduler<u64> = Scheduler::new(NonZeroUsize::new(concurrency).unwrap());
+    let mut models: Vec<Model> = Vec::new();
+    let mut in_flight: Vec<(Permit, usize, u64)> = Vec::new();
+    let mut next_id = 0u64;
+    let mut inserted = BTreeSet::new();
+    let mut dispatched = BTreeSet::new();
+    for op in ops {
+        match op {
+            Op::Add {
+                priority,
+                limit,
+                ordering,
+                key_buffer,
+            } => {
+                let ordering =
+                    [Ordering::Unordered, Ordering::Key, Ordering::Subscription][ordering as usize];
+                let key = s.add(SubscriptionConfig {
+                    priority,
+                    max_in_flight: limit.and_then(NonZeroUsize::new),
+                    ordering,
+                    key_buffer,
+                });
+                let limit = match ordering {
+                    Ordering::Subscription => 1,
+                    _ => limit.unwrap_or(usize::MAX),
+                };
+                let capacity = if ordering == Ordering::Key {
+                    key_buffer
+                } else {
+                    1
+                };
+                models.push(Model {
+                    key,
+                    priority,
+                    limit,
+                    ordering,
+                    capacity,
+                    held: Vec::new(),
+                    busy: Vec::new(),
+                    in_flight: 0,
+                });
+            }
+            Op::Insert { subscription, key } => {
+                let Some(model) = models.get_mut(subscription) else {
+                    continue;
+                };
+                let room = model.held.len() < model.capacity;
+                prop_assert_eq!(s.has_vacancy(model.key), room);
+                let id = next_id;
+                next_id += 1;
+                let result = s.try_insert_keyed(model.key, id, key);
+                if room {
+                    prop_assert!(result.is_ok());
+                    model.held.push((id, key));
+                    inserted.insert(id);
+                } else {
+                    prop_assert_eq!(result, Err(Rejected::Full(id)));
+                }
+            }
+            Op::Dispatch => {
+                let runnable: Vec<usize> = (0..models.len())
+                    .filter(|&m| models[m].has_runnable())
+                    .collect();
+                match s.try_dispatch() {
+                    None => prop_assert!(
+                        in_flight.len() == concurrency || runnable.is_empty(),
+                        "nothing dispatched though {:?} could run",
+                        runnable
+                    ),
+                    Some((permit, id)) => {
+                        prop_assert!(in_flight.len() < concurrency);
+                        let m = models
+                            .iter()
+                            .position(|model| model.key == permit.subscription())
+                            .unwrap();
+                        let best = runnable.iter().map(|&m| models[m].priority).min().unwrap();
+                        prop_assert_eq!(
+                            models[m].priority,
+                            best,
+                            "strict: the best priority that may run"
+                        );
+                        let model = &mut models[m];
+                        let index = model.held.iter().position(|(held, _)| *held == id).unwrap();
+                        prop_assert!(model.may_run(index), "{} may not run yet", id);
+                        let (_, key) = model.held.remove(index);
+                        if model.ordering == Ordering::Key {
+                            if let Some(key) = key {
+                                prop_assert!(
+                                    !model.busy.contains(&key),
+                                    "key {} twice in flight",
+                                    key
+                                );
+                                model.busy.push(key);
+                            }
+                        }
+                        model.in_flight += 1;
+                        prop_assert!(model.in_flight <= model.limit);
+                        prop_assert!(dispatched.insert(id), "{} dispatched twice", id);
+                        in_flight.push((permit, m, key.unwrap_or(u64::MAX)));
+                    }
+                }
+            }
+            Op::Release(which) => {
+                if in_flight.is_empty() {
+                    continue;
+                }
+                let (permit, m, key) = in_flight.remove(which % in_flight.len());
+                s.release(permit);
+                let model = &mut models[m];
+                model.in_flight -= 1;
+                model.busy.retain(|busy| *busy != key);
+            }
+            Op::SetPriority {
+                subscription,
+                priority,
+            } => {
+                let Some(model) = models.get_mut(subscription) else {
+                    continue;
+                };
+                s.set_priority(model.key, priority);
+                model.priority = priority;
+                prop_assert_eq!(s.priority(model.key), priority);
+            }
+            Op::Remove(subscription) => {
+                let Some(model) = models.get(subscription) else {
+                    continue;
+                };
+                let empty = model.held.is_empty() && model.in_flight == 0;
+                prop_assert_eq!(s.remove_subscription(model.key), empty);
+                if empty {
+                    models.remove(subscription);
+                    // Keys of later models stay valid; in-flight entries
+                    // refer to models by index.
+                    for entry in &mut in_flight {
+                        if entry.1 > subscription {
+                            entry.1 -= 1;
+                        }
+                    }
+                }
+            }
+        }
+        prop_assert_eq!(s.in_flight(), in_flight.len());
+        prop_assert_eq!(
+            s.waiting(),
+            models.iter().map(|m| m.held.len()).sum::<usize>()
+        );
+    }
+    // Drain: everything inserted is dispatched exactly once.
+    loop {
+        while let Some((permit, id)) = s.try_dispatch() {
+            prop_assert!(dispatched.insert(id), "{} dispatched twice", id);
+            in_flight.push((permit, 0, 0));
+        }
+        let Some((permit, _, _)) = in_flight.pop() else {
+            break;
+        };
+        s.release(permit);
+    }
+    prop_assert_eq!(dispatched, inserted);
+    prop_assert!(s.is_idle());
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_scheduler_agrees_with_the_model(
+        concurrency in 1usize..4,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        check(concurrency, ops)?;
+    }
+
+    #[test]
+    fn weighted_shares_converge_to_the_weights(
+        weights in proptest::collection::vec(1u32..10, 2..5),
+    ) {
+        let policy = SchedulingPolicy::Weighted(
+            weights.iter().enumerate().fold(Weights::new(), |w, (level, weight)| w.level(level as i64, *weight)),
+        );
+        let mut s: Scheduler<usize> = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy);
+        let keys: Vec<_> = (0..weights.len()).map(|level| s.add_subscription(level as i64)).collect();
+        for (level, key) in keys.iter().enumerate() {
+            s.try_insert(*key, level).unwrap();
+        }
+        let mut served: BTreeMap<usize, u32> = BTreeMap::new();
+        let rounds = 10_000;
+        for _ in 0..rounds {
+            let (permit, level) = s.try_dispatch().unwrap();
+            *served.entry(level).or_default() += 1;
+            let key = permit.subscription();
+            s.release(permit);
+            s.try_insert(key, level).unwrap();
+        }
+        let total: u32 = weights.iter().sum();
+        for (level, weight) in weights.iter().enumerate() {
+            let share = f64::from(served[&level]) / f64::from(rounds);
+            let expected = f64::from(*weight) / f64::from(total);
+            prop_assert!((share - expected).abs() <= 0.02, "level {}: {} against {}", level, share, expected);
+        }
+    }
+}

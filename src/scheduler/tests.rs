@@ -1,0 +1,374 @@
+//! Unit tests of the scheduler; `proptests.rs` checks it against a model.
+
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use super::*;
+
+fn scheduler(concurrency: usize) -> Scheduler<&'static str> {
+    Scheduler::new(NonZeroUsize::new(concurrency).unwrap())
+}
+
+/// Dispatches and keeps the permit for later release.
+fn dispatch(s: &mut Scheduler<&'static str>, permits: &mut Vec<Permit>) -> Option<&'static str> {
+    let (permit, message) = s.try_dispatch()?;
+    permits.push(permit);
+    Some(message)
+}
+
+fn release_first(s: &mut Scheduler<&'static str>, permits: &mut Vec<Permit>) {
+    s.release(permits.remove(0));
+}
+
+#[test]
+fn lower_priority_value_is_served_first_whatever_the_insertion_order() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let low = s.add_subscription(20);
+    let high = s.add_subscription(5);
+    let mid = s.add_subscription(10);
+    s.try_insert(low, "low").unwrap();
+    s.try_insert(mid, "mid").unwrap();
+    s.try_insert(high, "high").unwrap();
+    assert_eq!(dispatch(&mut s, &mut permits), Some("high"));
+    assert_eq!(dispatch(&mut s, &mut permits), Some("mid"));
+    assert_eq!(dispatch(&mut s, &mut permits), Some("low"));
+    assert_eq!(dispatch(&mut s, &mut permits), None);
+    assert_eq!(s.in_flight(), 3);
+}
+
+#[test]
+fn negative_and_sparse_priorities_are_ordered() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    for (priority, name) in [
+        (1000, "1000"),
+        (-5, "-5"),
+        (0, "0"),
+        (i64::MIN, "min"),
+        (7, "7"),
+    ] {
+        let key = s.add_subscription(priority);
+        s.try_insert(key, name).unwrap();
+    }
+    let order: Vec<_> = std::iter::from_fn(|| dispatch(&mut s, &mut permits)).collect();
+    assert_eq!(order, ["min", "-5", "0", "7", "1000"]);
+}
+
+#[test]
+fn equal_priorities_take_turns_while_all_stay_busy() {
+    let mut s = scheduler(100);
+    let names = ["a", "b", "c"];
+    let keys: Vec<_> = names.iter().map(|_| s.add_subscription(10)).collect();
+    for (key, name) in keys.iter().zip(names) {
+        s.try_insert(*key, name).unwrap();
+    }
+    let mut order = Vec::new();
+    for _ in 0..6 {
+        let (permit, name) = s.try_dispatch().expect("a message is waiting");
+        order.push(name);
+        // The served subscription refills at once and so joins the back
+        // of the line.
+        let key = permit.subscription();
+        s.release(permit);
+        s.try_insert(key, name).unwrap();
+    }
+    assert_eq!(order, ["a", "b", "c", "a", "b", "c"]);
+}
+
+#[test]
+fn a_full_slot_rejects_and_returns_the_message() {
+    let mut s = scheduler(1);
+    let a = s.add_subscription(1);
+    s.try_insert(a, "first").unwrap();
+    assert!(!s.has_vacancy(a));
+    assert_eq!(s.try_insert(a, "second"), Err(Rejected::Full("second")));
+}
+
+#[test]
+fn no_message_is_picked_without_a_permit() {
+    let mut s = scheduler(1);
+    let mut permits = Vec::new();
+    let low = s.add_subscription(20);
+    let high = s.add_subscription(10);
+    s.try_insert(low, "low-1").unwrap();
+    assert_eq!(dispatch(&mut s, &mut permits), Some("low-1"));
+    s.try_insert(low, "low-2").unwrap();
+    assert_eq!(
+        dispatch(&mut s, &mut permits),
+        None,
+        "the only permit is taken"
+    );
+    // A high-priority message arriving while capacity is exhausted wins
+    // once the permit comes back.
+    s.try_insert(high, "high").unwrap();
+    release_first(&mut s, &mut permits);
+    assert_eq!(dispatch(&mut s, &mut permits), Some("high"));
+    release_first(&mut s, &mut permits);
+    assert_eq!(dispatch(&mut s, &mut permits), Some("low-2"));
+}
+
+#[test]
+fn closing_rejects_insertions_but_drains_slots() {
+    let mut s = scheduler(5);
+    let mut permits = Vec::new();
+    let a = s.add_subscription(1);
+    let b = s.add_subscription(2);
+    s.try_insert(a, "a").unwrap();
+    s.close();
+    assert_eq!(s.try_insert(b, "b"), Err(Rejected::Closed("b")));
+    assert_eq!(s.waiting(), 1);
+    assert_eq!(dispatch(&mut s, &mut permits), Some("a"));
+    assert_eq!(dispatch(&mut s, &mut permits), None);
+    assert!(!s.is_idle(), "one message is in flight");
+    release_first(&mut s, &mut permits);
+    assert!(s.is_idle());
+}
+
+#[test]
+fn more_than_64_priority_levels_are_ordered() {
+    let mut s = scheduler(200);
+    let mut permits = Vec::new();
+    let keys: Vec<_> = (0..150).rev().map(|p| (p, s.add_subscription(p))).collect();
+    let names: Vec<&'static str> = (0..150)
+        .map(|p| &*Box::leak(p.to_string().into_boxed_str()))
+        .collect();
+    for (p, key) in &keys {
+        s.try_insert(*key, names[*p as usize]).unwrap();
+    }
+    let order: Vec<_> = std::iter::from_fn(|| dispatch(&mut s, &mut permits)).collect();
+    assert_eq!(order, names);
+}
+
+#[test]
+fn ready_queues_hold_their_whole_level_without_growing() {
+    let mut s = scheduler(1);
+    let keys: Vec<_> = (0..10).map(|_| s.add_subscription(7)).collect();
+    let capacity = s.levels[0].ready.capacity();
+    assert!(capacity >= 10, "capacity {capacity} for 10 members");
+    for key in keys {
+        s.try_insert(key, "m").unwrap();
+    }
+    assert_eq!(s.levels[0].ready.capacity(), capacity);
+    assert_eq!(s.waiting(), 10);
+}
+
+#[test]
+fn a_subscription_at_its_limit_is_passed_over_without_blocking_others() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let limited = s.add(SubscriptionConfig {
+        max_in_flight: NonZeroUsize::new(1),
+        ..SubscriptionConfig::new(1)
+    });
+    let other = s.add_subscription(5);
+    s.try_insert(limited, "l1").unwrap();
+    s.try_insert(other, "o1").unwrap();
+    assert_eq!(dispatch(&mut s, &mut permits), Some("l1"));
+    s.try_insert(limited, "l2").unwrap();
+    assert_eq!(
+        dispatch(&mut s, &mut permits),
+        Some("o1"),
+        "the better subscription is at its limit"
+    );
+    assert_eq!(dispatch(&mut s, &mut permits), None);
+    assert_eq!(s.load(limited), (1, 1));
+    release_first(&mut s, &mut permits);
+    assert_eq!(dispatch(&mut s, &mut permits), Some("l2"));
+}
+
+#[test]
+fn subscription_ordering_runs_one_message_at_a_time() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let ordered = s.add(SubscriptionConfig {
+        ordering: Ordering::Subscription,
+        ..SubscriptionConfig::new(1)
+    });
+    s.try_insert(ordered, "1").unwrap();
+    assert_eq!(dispatch(&mut s, &mut permits), Some("1"));
+    s.try_insert(ordered, "2").unwrap();
+    assert_eq!(dispatch(&mut s, &mut permits), None);
+    release_first(&mut s, &mut permits);
+    assert_eq!(dispatch(&mut s, &mut permits), Some("2"));
+}
+
+#[test]
+fn key_ordering_runs_keys_concurrently_but_never_one_key_twice() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let keyed = s.add(SubscriptionConfig {
+        ordering: Ordering::Key,
+        key_buffer: 3,
+        ..SubscriptionConfig::new(1)
+    });
+    s.try_insert_keyed(keyed, "a1", Some(1)).unwrap();
+    s.try_insert_keyed(keyed, "a2", Some(1)).unwrap();
+    s.try_insert_keyed(keyed, "b1", Some(2)).unwrap();
+    assert!(!s.has_vacancy(keyed), "the buffer is full");
+    assert_eq!(dispatch(&mut s, &mut permits), Some("a1"));
+    assert_eq!(
+        dispatch(&mut s, &mut permits),
+        Some("b1"),
+        "a2 waits for a1 without holding up b1"
+    );
+    assert_eq!(dispatch(&mut s, &mut permits), None);
+    assert!(s.has_vacancy(keyed));
+    s.try_insert_keyed(keyed, "none", None).unwrap();
+    assert_eq!(
+        dispatch(&mut s, &mut permits),
+        Some("none"),
+        "no key, no wait"
+    );
+    release_first(&mut s, &mut permits);
+    assert_eq!(dispatch(&mut s, &mut permits), Some("a2"));
+    assert!(!s.is_idle() && s.waiting() == 0);
+}
+
+#[test]
+fn set_priority_takes_effect_at_the_next_pick_and_moves_a_waiting_message() {
+    let mut s = scheduler(1);
+    let mut permits = Vec::new();
+    let a = s.add_subscription(10);
+    let b = s.add_subscription(20);
+    s.try_insert(a, "a").unwrap();
+    s.try_insert(b, "b").unwrap();
+    s.set_priority(b, 5);
+    assert_eq!(s.priority(b), 5);
+    assert_eq!(dispatch(&mut s, &mut permits), Some("b"));
+    s.set_priority(a, 30);
+    assert_eq!(s.levels.len(), 2, "the emptied level 20 is gone, 30 is new");
+    release_first(&mut s, &mut permits);
+    assert_eq!(dispatch(&mut s, &mut permits), Some("a"));
+}
+
+#[test]
+fn a_removed_subscription_frees_its_key_and_level() {
+    let mut s = scheduler(2);
+    let mut permits = Vec::new();
+    let a = s.add_subscription(10);
+    let b = s.add_subscription(20);
+    s.try_insert(a, "a").unwrap();
+    assert!(!s.remove_subscription(a), "it holds a message");
+    assert_eq!(dispatch(&mut s, &mut permits), Some("a"));
+    assert!(!s.remove_subscription(a), "its message is in flight");
+    release_first(&mut s, &mut permits);
+    assert!(s.remove_subscription(a));
+    assert_eq!(s.levels.len(), 1);
+    let c = s.add_subscription(5);
+    assert_eq!(c, a, "the key is reused");
+    s.try_insert(b, "b").unwrap();
+    s.try_insert(c, "c").unwrap();
+    assert_eq!(dispatch(&mut s, &mut permits), Some("c"));
+    assert_eq!(dispatch(&mut s, &mut permits), Some("b"));
+}
+
+#[test]
+fn weighted_levels_share_dispatches_by_weight() {
+    let policy = SchedulingPolicy::Weighted(Weights::new().level(1, 3).level(2, 1));
+    let mut s = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy);
+    let high = s.add_subscription(1);
+    let low = s.add_subscription(2);
+    let mut order = String::new();
+    s.try_insert(high, "h").unwrap();
+    s.try_insert(low, "l").unwrap();
+    for _ in 0..12 {
+        let (permit, message) = s.try_dispatch().unwrap();
+        order.push_str(message);
+        let key = permit.subscription();
+        s.release(permit);
+        s.try_insert(key, message).unwrap();
+    }
+    assert_eq!(order, "hhhlhhhlhhhl");
+}
+
+#[test]
+fn a_weighted_level_without_work_gives_its_turn_away() {
+    let policy = SchedulingPolicy::Weighted(Weights::new().level(1, 5));
+    let mut s = Scheduler::with_policy(NonZeroUsize::new(10).unwrap(), policy);
+    let mut permits = Vec::new();
+    let high = s.add_subscription(1);
+    let low = s.add_subscription(2);
+    s.try_insert(high, "h").unwrap();
+    s.try_insert(low, "l").unwrap();
+    assert_eq!(dispatch(&mut s, &mut permits), Some("h"));
+    assert_eq!(dispatch(&mut s, &mut permits), Some("l"));
+}
+
+thread_local! {
+    static NOW: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+fn fake_now() -> Instant {
+    NOW.with(|now| *now.get().get_or_insert_with(Instant::now))
+}
+
+fn advance(by: Duration) {
+    NOW.with(|now| now.set(Some(fake_now() + by)));
+}
+
+#[test]
+fn an_aged_message_overtakes_fresher_better_ones_up_to_the_bound() {
+    let policy = SchedulingPolicy::Aging(Aging::new(10.0, 15));
+    let mut s = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy).with_clock(fake_now);
+    let high = s.add_subscription(10);
+    let low = s.add_subscription(20);
+    s.try_insert(low, "low").unwrap();
+    advance(Duration::from_millis(500));
+    s.try_insert(high, "high").unwrap();
+    // low has waited 0.5 s: 20 - 5 = 15, still worse than 10.
+    let (permit, first) = s.try_dispatch().unwrap();
+    assert_eq!(first, "high");
+    s.release(permit);
+    advance(Duration::from_millis(600));
+    s.try_insert(high, "high").unwrap();
+    // low has waited 1.1 s: 20 - 11 = 9, better than a fresh 10.
+    let (permit, second) = s.try_dispatch().unwrap();
+    assert_eq!(second, "low");
+    s.release(permit);
+    let (permit, _) = s.try_dispatch().unwrap();
+    s.release(permit);
+    let far = s.add_subscription(100);
+    s.try_insert(far, "far").unwrap();
+    advance(Duration::from_secs(60));
+    s.try_insert(high, "high").unwrap();
+    // far can improve by 15 at most: 85 never beats a fresh 10.
+    let (_, third) = s.try_dispatch().unwrap();
+    assert_eq!(third, "high");
+}
+
+#[test]
+fn reserved_permits_are_left_for_better_levels() {
+    let mut s = scheduler(3);
+    let mut permits = Vec::new();
+    s.reserve(10, 1);
+    let urgent = s.add_subscription(10);
+    let bulk = s.add_subscription(50);
+    for _ in 0..3 {
+        s.try_insert(bulk, "bulk").unwrap();
+        let _ = dispatch(&mut s, &mut permits);
+    }
+    assert_eq!(s.in_flight(), 2, "one permit stays free for level 10");
+    assert_eq!(s.waiting(), 1);
+    s.try_insert(urgent, "urgent").unwrap();
+    assert_eq!(dispatch(&mut s, &mut permits), Some("urgent"));
+}
+
+#[test]
+fn take_waiting_hands_back_every_held_message() {
+    let mut s = scheduler(1);
+    let keyed = s.add(SubscriptionConfig {
+        ordering: Ordering::Key,
+        key_buffer: 4,
+        ..SubscriptionConfig::new(1)
+    });
+    s.try_insert_keyed(keyed, "a1", Some(1)).unwrap();
+    s.try_insert_keyed(keyed, "a2", Some(1)).unwrap();
+    let mut taken = Vec::new();
+    while let Some((_, message)) = s.take_waiting() {
+        taken.push(message);
+    }
+    assert_eq!(taken, ["a1", "a2"]);
+    assert!(s.is_idle());
+    assert!(s.try_dispatch().is_none());
+}

@@ -1,0 +1,416 @@
+//! Scheduling beyond the original, through the public API on the in-memory
+//! transport: subscriptions added and removed while running, priorities
+//! changed at run time, per-subscription limits, ordering modes, weighted
+//! shares and reserved permits.
+
+use std::cell::{Cell, RefCell};
+use std::convert::Infallible;
+use std::rc::Rc;
+
+use super::{dispatcher, gated, options, recorder, run_local, settle_down, spawn_run, Gate, Log};
+use crate::transport::{MemoryTransport, OutgoingMessage};
+use crate::{
+    priorities, Dispatcher, Error, Message, Ordering, SchedulingPolicy, SubscribeOptions,
+    TopicFamily, Weights,
+};
+
+#[test]
+fn subscriptions_come_and_go_while_the_others_keep_flowing() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let log = Log::default();
+        let first = dispatcher
+            .subscribe("first", recorder(&log, "first"), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.send("first", "1");
+        transport.wait_acked("first", 1).await;
+
+        let second = dispatcher
+            .subscribe("second", recorder(&log, "second"), options(1))
+            .await
+            .unwrap();
+        assert_eq!(transport.open_consumers(), 2);
+        transport.send("second", "1");
+        transport.wait_acked("second", 1).await;
+
+        dispatcher.unsubscribe(first.clone()).await.unwrap();
+        assert_eq!(transport.open_consumers(), 1, "its consumer is closed");
+        assert_eq!(dispatcher.subscriptions().len(), 1);
+        assert!(first.info().is_none());
+        assert!(matches!(
+            first.set_priority(5),
+            Err(Error::UnknownSubscription { .. })
+        ));
+        assert!(matches!(
+            dispatcher.unsubscribe(first).await,
+            Err(Error::UnknownSubscription { .. })
+        ));
+        transport.send("first", "2");
+        transport.send("second", "2");
+        transport.wait_acked("second", 2).await;
+        settle_down().await;
+        assert!(
+            !log.borrow().contains(&"first:2".to_owned()),
+            "an unsubscribed topic is not consumed: {:?}",
+            log.borrow()
+        );
+
+        // Its place is reused by the next subscription.
+        let third = dispatcher
+            .subscribe("third", recorder(&log, "third"), options(1))
+            .await
+            .unwrap();
+        assert_eq!(third.info().unwrap().priority, 1);
+        assert!(second.info().is_some());
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn unsubscribing_lets_the_waiting_message_and_running_handlers_finish() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let gate = Gate::default();
+        let ids: Vec<_> = (0..3)
+            .map(|n| transport.send("jobs", format!("{n}")))
+            .collect();
+        let jobs = dispatcher
+            .subscribe("jobs", gated(&gate), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        // One message runs, one waits in the slot, one is left on the broker.
+        assert_eq!(jobs.stats().unwrap().dispatched, 1);
+        let removing = {
+            let dispatcher = dispatcher.clone();
+            tokio::task::spawn_local(async move { dispatcher.unsubscribe(jobs).await })
+        };
+        settle_down().await;
+        assert!(!removing.is_finished(), "waits for its handler");
+        gate.open();
+        removing.await.unwrap().unwrap();
+        assert_eq!(
+            transport.acked("jobs"),
+            ids[..2],
+            "the running and the waiting one"
+        );
+        assert_eq!(transport.open_consumers(), 0);
+        assert_eq!(
+            transport.backlog_len("jobs"),
+            1,
+            "the third stays with the broker"
+        );
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn a_priority_changed_at_run_time_reorders_the_work_that_follows() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let log = Log::default();
+        for n in 0..3 {
+            transport.send("a", format!("{n}"));
+            transport.send("b", format!("{n}"));
+        }
+        let gate = Gate::default();
+        let (a_log, a_gate) = (log.clone(), gate.clone());
+        dispatcher
+            .subscribe(
+                "a",
+                async move |message: &Message| {
+                    a_gate.wait().await;
+                    a_log
+                        .borrow_mut()
+                        .push(format!("a:{}", String::from_utf8_lossy(message.payload())));
+                    Ok::<_, Infallible>(())
+                },
+                options(1),
+            )
+            .await
+            .unwrap();
+        let b = dispatcher
+            .subscribe("b", recorder(&log, "b"), options(2))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        // a:0 runs; b now goes first.
+        b.set_priority(0).unwrap();
+        assert_eq!(b.info().unwrap().priority, 0);
+        gate.open();
+        transport.wait_acked("b", 3).await;
+        transport.wait_acked("a", 3).await;
+        assert_eq!(*log.borrow(), ["a:0", "b:0", "b:1", "b:2", "a:1", "a:2"]);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn max_in_flight_caps_one_subscription_without_holding_up_the_others() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(10);
+        let gate = Gate::default();
+        for n in 0..5 {
+            transport.send("capped", format!("{n}"));
+            transport.send("free", format!("{n}"));
+        }
+        dispatcher
+            .subscribe("capped", gated(&gate), options(1).max_in_flight(2))
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("free", gated(&gate), options(2))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        let stats = dispatcher.stats();
+        assert_eq!(stats.subscriptions[0].dispatched, 2, "capped at 2");
+        assert_eq!(
+            stats.subscriptions[1].dispatched, 5,
+            "the rest of the limit"
+        );
+        gate.open();
+        transport.wait_acked("capped", 5).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+/// Records when each message starts and ends, by payload.
+type Timeline = Rc<RefCell<Vec<String>>>;
+
+#[test]
+fn key_ordering_serialises_a_key_and_runs_keys_side_by_side() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(10);
+        for (n, key) in ["a", "a", "b", "a", "b", "c"].iter().enumerate() {
+            transport.send_message(
+                "orders",
+                OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key),
+            );
+        }
+        let timeline = Timeline::default();
+        let running = Rc::new(Cell::new(0usize));
+        let most = Rc::new(Cell::new(0usize));
+        let (record, now, peak) = (timeline.clone(), running.clone(), most.clone());
+        dispatcher
+            .subscribe(
+                "orders",
+                async move |message: &Message| {
+                    let name = String::from_utf8_lossy(message.payload()).into_owned();
+                    now.set(now.get() + 1);
+                    peak.set(peak.get().max(now.get()));
+                    record.borrow_mut().push(format!("start {name}"));
+                    for _ in 0..3 {
+                        tokio::task::yield_now().await;
+                    }
+                    record.borrow_mut().push(format!("end {name}"));
+                    now.set(now.get() - 1);
+                    Ok::<_, Infallible>(())
+                },
+                options(1).ordering(Ordering::Key).key_buffer(4),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("orders", 6).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let timeline = timeline.borrow();
+        let at = |event: &str| timeline.iter().position(|e| e == event).unwrap();
+        assert!(at("end a0") < at("start a1") && at("end a1") < at("start a3"));
+        assert!(at("end b2") < at("start b4"));
+        assert!(most.get() >= 2, "different keys ran side by side");
+    });
+}
+
+#[test]
+fn subscription_ordering_runs_one_at_a_time_in_order() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(10);
+        for n in 0..4 {
+            transport.send("ledger", format!("{n}"));
+        }
+        let log = Log::default();
+        dispatcher
+            .subscribe(
+                "ledger",
+                recorder(&log, "l"),
+                options(1).ordering(Ordering::Subscription),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("ledger", 4).await;
+        assert_eq!(*log.borrow(), ["l:0", "l:1", "l:2", "l:3"]);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn ordering_options_are_checked_by_name() {
+    run_local(async {
+        let (dispatcher, _) = dispatcher(4);
+        for (name, options) in [
+            ("max_in_flight", SubscribeOptions::new().max_in_flight(0)),
+            (
+                "max_in_flight",
+                SubscribeOptions::new()
+                    .ordering(Ordering::Subscription)
+                    .max_in_flight(3),
+            ),
+            ("key_buffer", SubscribeOptions::new().key_buffer(4)),
+            (
+                "key_buffer",
+                SubscribeOptions::new()
+                    .ordering(Ordering::Key)
+                    .key_buffer(0),
+            ),
+        ] {
+            let refused = dispatcher
+                .subscribe("x", recorder(&Log::default(), "x"), options)
+                .await;
+            assert!(
+                matches!(&refused, Err(Error::InvalidOption { option, .. }) if *option == name),
+                "{name}: {refused:?}"
+            );
+        }
+        let refused = Dispatcher::builder()
+            .concurrency(2)
+            .reserve(1, 2)
+            .reserve(5, 1)
+            .build(MemoryTransport::new());
+        assert!(matches!(
+            refused,
+            Err(Error::InvalidOption {
+                option: "reserve",
+                ..
+            })
+        ));
+    });
+}
+
+#[test]
+fn weighted_scheduling_gives_a_busy_lower_level_its_share() {
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(1)
+            .scheduling(SchedulingPolicy::Weighted(Weights::new().level(1, 3)))
+            .build(transport.clone())
+            .unwrap();
+        for n in 0..12 {
+            transport.send("high", format!("{n}"));
+            transport.send("low", format!("{n}"));
+        }
+        let log = Log::default();
+        dispatcher
+            .subscribe("high", recorder(&log, "h"), options(1))
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("low", recorder(&log, "l"), options(2))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("high", 12).await;
+        let first_16: Vec<char> = log
+            .borrow()
+            .iter()
+            .take(16)
+            .map(|entry| entry.chars().next().unwrap())
+            .collect();
+        let lows = first_16.iter().filter(|&&c| c == 'l').count();
+        assert_eq!(lows, 4, "3 to 1 while both have work: {first_16:?}");
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn reserved_permits_wait_for_the_level_they_are_kept_for() {
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(3)
+            .reserve(1, 1)
+            .build(transport.clone())
+            .unwrap();
+        let gate = Gate::default();
+        for n in 0..5 {
+            transport.send("bulk", format!("{n}"));
+        }
+        dispatcher
+            .subscribe("bulk", gated(&gate), options(9))
+            .await
+            .unwrap();
+        let log = Log::default();
+        dispatcher
+            .subscribe("urgent", recorder(&log, "u"), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        assert_eq!(dispatcher.stats().in_flight, 2, "one permit kept free");
+        transport.send("urgent", "now");
+        transport.wait_acked("urgent", 1).await;
+        assert_eq!(*log.borrow(), ["u:now"], "ran while bulk work waited");
+        gate.open();
+        transport.wait_acked("bulk", 5).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+priorities! { enum Level { Live = 10, Batch = 20 } }
+
+#[test]
+fn a_topic_family_is_added_and_removed_as_a_unit_while_running() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        let log = Log::default();
+        let family = dispatcher
+            .subscribe_family(
+                &TopicFamily::<Level>::new("orders"),
+                recorder(&log, "o"),
+                SubscribeOptions::new(),
+            )
+            .await
+            .unwrap();
+        let topics: Vec<&str> = family.members().iter().map(|m| m.topic()).collect();
+        assert_eq!(
+            topics,
+            [
+                "persistent://public/default/orders_live",
+                "persistent://public/default/orders_batch"
+            ]
+        );
+        transport.send("orders_batch", "b");
+        transport.wait_acked("orders_batch", 1).await;
+        dispatcher.unsubscribe_family(family).await.unwrap();
+        assert!(dispatcher.subscriptions().is_empty());
+        assert_eq!(transport.open_consumers(), 0);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
