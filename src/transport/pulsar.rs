@@ -235,6 +235,8 @@ struct Partition {
 struct BrokerSockets {
     peers: RefCell<HashSet<SocketAddr>>,
     last_check: std::cell::Cell<Option<Instant>>,
+    /// Messages received by every consumer of the transport.
+    received: std::cell::Cell<u64>,
 }
 
 /// How long closing a consumer may take before the consumer is dropped.
@@ -247,6 +249,9 @@ const ENGINE_ROUND_TRIP_ATTEMPT: Duration = Duration::from_millis(200);
 /// How often a consumer that is receiving looks again, so that a connection
 /// the crate re-establishes after a failure also gets Nagle's algorithm off.
 const NODELAY_RECHECK: Duration = Duration::from_secs(10);
+
+/// Received messages between two looks at the clock for [`NODELAY_RECHECK`].
+const NODELAY_RECHECK_EVERY: u64 = 256;
 
 impl BrokerSockets {
     async fn add(&self, host: Option<&str>, port: Option<u16>) {
@@ -266,7 +271,15 @@ impl BrokerSockets {
         }
     }
 
+    /// Called for every message received; looks at the clock only every
+    /// [`NODELAY_RECHECK_EVERY`] messages, as reading it costs more than the
+    /// rest of this bookkeeping.
     fn recheck_if_due(&self) {
+        let received = self.received.get().wrapping_add(1);
+        self.received.set(received);
+        if received % NODELAY_RECHECK_EVERY != 0 {
+            return;
+        }
         if self
             .last_check
             .get()
@@ -384,7 +397,7 @@ impl PulsarConsumer {
         };
         self.send_settlement(id, succeeded)?;
         if succeeded {
-            self.recent_acks.record(entry_of(id), Instant::now());
+            self.recent_acks.record(entry_of(id));
         }
         Ok(())
     }

@@ -64,9 +64,6 @@ pub(super) fn entry_of(id: &MessageId) -> EntryKey {
     (id.partition(), id.ledger_id(), id.entry_id())
 }
 
-/// How long an acknowledged entry is remembered.
-const RECENT_ACK_RETENTION: Duration = Duration::from_secs(120);
-
 /// Entries acknowledged recently.
 ///
 /// The crate drops an ack sent while its connection is down without telling
@@ -75,10 +72,11 @@ const RECENT_ACK_RETENTION: Duration = Duration::from_secs(120);
 /// that was lost: it is acked again instead of being handled a second time.
 /// The first such redelivery also shows that the connection came back, so
 /// every remembered ack is sent again then, before the broker hands those
-/// entries to another consumer of the subscription. Bounded by a count and
-/// an age; what falls out can still come back as a duplicate.
+/// entries to another consumer of the subscription. Bounded by a count (an
+/// age would cost a clock read per ack); what falls out can still come back
+/// as a duplicate.
 pub(super) struct RecentAcks {
-    in_order: VecDeque<(Instant, EntryKey)>,
+    in_order: VecDeque<EntryKey>,
     entries: HashSet<EntryKey>,
     capacity: usize,
     last_bulk_resend: Option<Instant>,
@@ -100,18 +98,15 @@ impl RecentAcks {
         }
     }
 
-    /// Remembers that `entry` was acked at `now`.
-    pub(super) fn record(&mut self, entry: EntryKey, now: Instant) {
-        while let Some(&(at, oldest)) = self.in_order.front() {
-            if self.in_order.len() < self.capacity && now.duration_since(at) < RECENT_ACK_RETENTION
-            {
-                break;
+    /// Remembers that `entry` was acked.
+    pub(super) fn record(&mut self, entry: EntryKey) {
+        if self.in_order.len() >= self.capacity {
+            if let Some(oldest) = self.in_order.pop_front() {
+                self.entries.remove(&oldest);
             }
-            self.in_order.pop_front();
-            self.entries.remove(&oldest);
         }
         if self.entries.insert(entry) {
-            self.in_order.push_back((now, entry));
+            self.in_order.push_back(entry);
         }
     }
 
@@ -130,7 +125,7 @@ impl RecentAcks {
             return Some(vec![entry]);
         }
         self.last_bulk_resend = Some(now);
-        Some(self.in_order.iter().map(|&(_, entry)| entry).collect())
+        Some(self.in_order.iter().copied().collect())
     }
 }
 
@@ -192,7 +187,7 @@ mod tests {
         let now = Instant::now();
         let mut acks = RecentAcks::new(3);
         for entry in 1..=4 {
-            acks.record((0, 9, entry), now);
+            acks.record((0, 9, entry));
         }
         assert_eq!(
             acks.redelivered((0, 9, 1), now),
@@ -212,19 +207,5 @@ mod tests {
             "a later reconnection resends all again"
         );
         assert_eq!(acks.recognised, 3);
-    }
-
-    #[test]
-    fn acks_older_than_the_retention_are_forgotten() {
-        let start = Instant::now();
-        let mut acks = RecentAcks::new(100);
-        acks.record((-1, 1, 1), start);
-        acks.record((-1, 1, 2), start + RECENT_ACK_RETENTION);
-        assert!(acks
-            .redelivered((-1, 1, 1), start + RECENT_ACK_RETENTION)
-            .is_none());
-        assert!(acks
-            .redelivered((-1, 1, 2), start + RECENT_ACK_RETENTION)
-            .is_some());
     }
 }
