@@ -17,7 +17,7 @@ use std::time::Duration;
 use pulsar::{PulsarBuilder, TokioExecutor};
 use tracing::debug;
 
-use crate::engine::{Control, DispatcherStats, Engine, EngineSettings, SubscriptionId};
+use crate::engine::{Control, DispatcherStats, Engine, EngineSettings, Health, SubscriptionId};
 use crate::error::{checked_duration, Error};
 use crate::family::{PriorityLevel, TopicFamily};
 use crate::handle::{CloseHandle, FamilyHandle, SubscriptionHandle};
@@ -30,6 +30,10 @@ use crate::transport::{PulsarTransport, Transport};
 
 /// The concurrency limit unless told otherwise.
 pub const DEFAULT_CONCURRENCY: usize = 20;
+
+/// How often the numbers are published to the `metrics` recorder unless
+/// told otherwise.
+pub const DEFAULT_METRICS_INTERVAL: Duration = Duration::from_secs(1);
 
 /// How many times [`DispatcherBuilder::connect`] lets the `pulsar` crate
 /// retry an operation the broker answered with a retryable error.
@@ -58,7 +62,10 @@ impl Default for DispatcherBuilder {
     fn default() -> Self {
         DispatcherBuilder {
             concurrency: DEFAULT_CONCURRENCY,
-            settings: EngineSettings::default(),
+            settings: EngineSettings {
+                metrics_interval: Some(DEFAULT_METRICS_INTERVAL),
+                ..EngineSettings::default()
+            },
         }
     }
 }
@@ -101,6 +108,30 @@ impl DispatcherBuilder {
     /// leave the limit intact (checked when the dispatcher is built).
     pub fn reserve(mut self, priority: i64, permits: usize) -> Self {
         self.settings.reservations.push((priority, permits));
+        self
+    }
+
+    /// Measures how long each message waits in its slot and how long its
+    /// handler runs (off by default: it reads the clock three times per
+    /// message). The results are in [`SubscriptionStats::slot_wait`] and
+    /// [`SubscriptionStats::handler_duration`], and recorded as the
+    /// `pulsar_dispatcher_slot_wait_seconds` and
+    /// `pulsar_dispatcher_handler_duration_seconds` histograms.
+    ///
+    /// [`SubscriptionStats::slot_wait`]: crate::SubscriptionStats::slot_wait
+    /// [`SubscriptionStats::handler_duration`]: crate::SubscriptionStats::handler_duration
+    pub fn timings(mut self, on: bool) -> Self {
+        self.settings.timings = on;
+        self
+    }
+
+    /// How often the counters and gauges are published to the `metrics`
+    /// facade's recorder (every second by default; `None`: never). They are
+    /// kept in the dispatcher and published as absolute values, so the data
+    /// path never touches the recorder. Install the recorder before the
+    /// dispatcher subscribes: metric handles are registered at subscribe.
+    pub fn metrics_interval(mut self, interval: Option<Duration>) -> Self {
+        self.settings.metrics_interval = interval;
         self
     }
 
@@ -175,6 +206,9 @@ impl DispatcherBuilder {
         let concurrency = NonZeroUsize::new(self.concurrency).ok_or(Error::ZeroConcurrency)?;
         if let Some(limit) = self.settings.shutdown_timeout {
             checked_duration("shutdown_timeout", limit, false)?;
+        }
+        if let Some(interval) = self.settings.metrics_interval {
+            checked_duration("metrics_interval", interval, false)?;
         }
         let reserved: usize = self
             .settings
@@ -368,6 +402,12 @@ impl<T: Transport> Dispatcher<T> {
     /// The counters of every subscription, and how many handlers run.
     pub fn stats(&self) -> DispatcherStats {
         self.engine.stats()
+    }
+
+    /// Where the dispatcher is in its life, and whether each subscription
+    /// is receiving: for liveness and readiness checks.
+    pub fn health(&self) -> Health {
+        self.engine.health()
     }
 
     /// A handle that can close this dispatcher from any task on the same

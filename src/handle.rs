@@ -9,11 +9,11 @@
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
-use crate::engine::{Control, DispatcherStats, SubscriptionId, SubscriptionStats};
+use crate::engine::{Control, DispatcherStats, Health, SubscriptionId, SubscriptionStats};
 use crate::error::Error;
 use crate::outcome::SubscriptionInfo;
 
-/// Closes a [`Dispatcher`] from elsewhere on its thread. Cheap to clone.
+/// Closes a [`Dispatcher`](crate::Dispatcher) from elsewhere on its thread. Cheap to clone.
 ///
 /// ```no_run
 /// # async fn example(dispatcher: pulsar_dispatcher::Dispatcher) {
@@ -41,7 +41,7 @@ impl std::fmt::Debug for CloseHandle {
 }
 
 impl CloseHandle {
-    /// The same as [`Dispatcher::close`]. Returns at once if the dispatcher
+    /// The same as [`Dispatcher::close`](crate::Dispatcher::close). Returns at once if the dispatcher
     /// is gone.
     pub async fn close(&self) {
         if let Some(engine) = self.engine.upgrade() {
@@ -49,7 +49,7 @@ impl CloseHandle {
         }
     }
 
-    /// The same as [`Dispatcher::close_within`]; 0 if the dispatcher is
+    /// The same as [`Dispatcher::close_within`](crate::Dispatcher::close_within); 0 if the dispatcher is
     /// gone.
     pub async fn close_within(&self, limit: Duration) -> usize {
         match self.engine.upgrade() {
@@ -58,7 +58,13 @@ impl CloseHandle {
         }
     }
 
-    /// The same as [`Dispatcher::stats`]; `None` if the dispatcher is gone.
+    /// The same as [`Dispatcher::health`](crate::Dispatcher::health);
+    /// `None` if the dispatcher is gone.
+    pub fn health(&self) -> Option<Health> {
+        self.engine.upgrade().map(|engine| engine.health())
+    }
+
+    /// The same as [`Dispatcher::stats`](crate::Dispatcher::stats); `None` if the dispatcher is gone.
     pub fn stats(&self) -> Option<DispatcherStats> {
         self.engine.upgrade().map(|engine| engine.stats())
     }

@@ -116,8 +116,11 @@ pub use backoff::{default_backoff, exponential_backoff};
 pub use classify::ErrorClass;
 pub use dispatcher::{
     Dispatcher, DispatcherBuilder, CONNECT_OPERATION_RETRIES, DEFAULT_CONCURRENCY,
+    DEFAULT_METRICS_INTERVAL,
 };
-pub use engine::{DispatcherStats, SubscriptionStats};
+pub use engine::{
+    DispatcherStats, Health, HealthPhase, Latency, SubscriptionHealth, SubscriptionStats,
+};
 pub use error::{Error, RetryTopicProblem, TransportError, MAX_DURATION};
 pub use family::{FamilyTopic, NoSublevels, PriorityLevel, TopicFamily};
 pub use handle::{CloseHandle, FamilyHandle, SubscriptionHandle};

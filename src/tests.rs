@@ -685,5 +685,6 @@ fn stats_count_outcomes_and_settlements_the_transport_refused() {
 }
 
 mod hardening;
+mod observability;
 mod routing;
 mod scheduling;

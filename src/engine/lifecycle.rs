@@ -110,6 +110,7 @@ impl<T: Transport> Engine<T> {
     /// Notes that `subscription` has something due later (a held nack, a
     /// receive to retry), so that the engine's timer covers it.
     pub(crate) fn watch_timers(&self, subscription: &Rc<Subscription<T>>) {
+        self.timers_changed.set(true);
         let mut timed = self.timed.borrow_mut();
         if !timed
             .iter()
@@ -122,7 +123,20 @@ impl<T: Transport> Engine<T> {
 
     /// Does what is due (held nacks, receive retries, the shutdown
     /// deadline) and sets the timer for what comes next.
+    ///
+    /// The clock is read only when the timer has fired or something was
+    /// added to what it covers: an engine poll otherwise costs no clock
+    /// read.
     fn poll_timers(&self, cx: &mut Context<'_>) {
+        {
+            let mut timer = self.timer.borrow_mut();
+            let unchanged = !self.timers_changed.replace(false);
+            if let Some(timer) = timer.as_mut() {
+                if unchanged && timer.as_mut().poll(cx).is_pending() {
+                    return;
+                }
+            }
+        }
         let now = Instant::now();
         let mut next = self.stop_deadline.get().filter(|_| !self.cancelling.get());
         if next.is_some_and(|deadline| deadline <= now) {
@@ -138,6 +152,17 @@ impl<T: Transport> Engine<T> {
                 }
                 None => false,
             });
+        if let Some(interval) = self.metrics_interval {
+            let due = *self.next_publish.get().get_or_insert(now);
+            let due = if due <= now {
+                self.publish_metrics(now);
+                now + interval
+            } else {
+                due
+            };
+            self.next_publish.set(Some(due));
+            next = Some(next.map_or(due, |next| next.min(due)));
+        }
         let Some(next) = next else {
             return;
         };
@@ -181,7 +206,17 @@ impl<T: Transport> Engine<T> {
 
     /// Makes a shutdown cancel the handlers still running after `limit`
     /// (from now), unless an earlier deadline is set.
+    /// Publishes every subscription's numbers to the metrics recorder.
+    pub(super) fn publish_metrics(&self, now: Instant) {
+        for subscription in self.all_subscriptions() {
+            subscription.publish(&self.stats_of(&subscription), now);
+        }
+        self.permits_gauge
+            .set(self.scheduler.borrow().available() as f64);
+    }
+
     fn shorten_stop_deadline(&self, limit: Duration) {
+        self.timers_changed.set(true);
         let deadline = Instant::now() + limit;
         let earlier = self
             .stop_deadline
@@ -202,6 +237,7 @@ impl<T: Transport> Engine<T> {
                 Delivery {
                     subscription,
                     message,
+                    ..
                 },
             )) = waiting
             else {
@@ -250,6 +286,9 @@ impl<T: Transport> Engine<T> {
     }
 
     async fn close_transport(&self) {
+        if self.metrics_interval.is_some() {
+            self.publish_metrics(Instant::now());
+        }
         self.router.close().await;
         if let Err(error) = self.transport.close().await {
             error!(%error, "closing the connection failed");

@@ -19,7 +19,9 @@
 //! when they are due, and walk shutdown's phases. Everything is on one
 //! thread; no `RefCell` borrow is held across an `.await`.
 
+mod health;
 mod lifecycle;
+mod metrics;
 mod registry;
 mod stats;
 mod subscription;
@@ -42,7 +44,8 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, Sleep};
 use tracing::debug;
 
-pub use self::stats::{DispatcherStats, SubscriptionStats};
+pub use self::health::{Health, Phase as HealthPhase, SubscriptionHealth};
+pub use self::stats::{DispatcherStats, Latency, SubscriptionStats};
 pub(crate) use self::subscription::{SubscriptionId, SubscriptionSpec};
 
 use self::stats::bump;
@@ -101,6 +104,8 @@ impl MessageBox {
 pub(crate) struct Delivery<T: Transport> {
     subscription: Rc<Subscription<T>>,
     message: MessageBox,
+    /// When it arrived in its slot (with timings on).
+    since: Option<Instant>,
 }
 
 /// The pool of workers of one handler type, with the type erased.
@@ -149,6 +154,11 @@ pub(crate) struct EngineSettings {
     pub(crate) scheduling: SchedulingPolicy,
     /// (priority, permits) kept for that level or better.
     pub(crate) reservations: Vec<(i64, usize)>,
+    /// Whether slot waits and handler durations are measured.
+    pub(crate) timings: bool,
+    /// How often the numbers are published to the metrics recorder (never
+    /// when `None`).
+    pub(crate) metrics_interval: Option<Duration>,
 }
 
 /// The run-time state of one dispatcher.
@@ -183,6 +193,13 @@ pub(crate) struct Engine<T: Transport> {
     cancelling: Cell<bool>,
     /// Handlers cancelled by the shutdown deadline.
     cancelled: Cell<usize>,
+    /// Whether something was added to what the timer covers since it was
+    /// last set.
+    timers_changed: Cell<bool>,
+    timings: bool,
+    metrics_interval: Option<Duration>,
+    next_publish: Cell<Option<Instant>>,
+    permits_gauge: ::metrics::Gauge,
     phase: Cell<Phase>,
     /// The first unexpected failure; `run()` returns it.
     failure: RefCell<Option<Error>>,
@@ -198,6 +215,7 @@ pub(crate) trait Control {
     fn set_priority(&self, id: SubscriptionId, priority: i64) -> bool;
     fn subscription_info(&self, id: SubscriptionId) -> Option<SubscriptionInfo>;
     fn subscription_stats(&self, id: SubscriptionId) -> Option<SubscriptionStats>;
+    fn health(&self) -> Health;
 }
 
 impl<T: Transport> Control for Engine<T> {
@@ -226,9 +244,11 @@ impl<T: Transport> Control for Engine<T> {
 
     fn subscription_stats(&self, id: SubscriptionId) -> Option<SubscriptionStats> {
         let subscription = self.subscription(id)?;
-        let mut stats = subscription.stats();
-        stats.priority = self.scheduler.borrow().priority(subscription.key);
-        Some(stats)
+        Some(self.stats_of(&subscription))
+    }
+
+    fn health(&self) -> Health {
+        Engine::health(self)
     }
 }
 
@@ -237,6 +257,9 @@ const NO_POOL: *const () = std::ptr::null();
 
 impl<T: Transport> Engine<T> {
     pub(crate) fn new(transport: T, concurrency: NonZeroUsize, settings: EngineSettings) -> Self {
+        if settings.metrics_interval.is_some() {
+            metrics::describe();
+        }
         let mut scheduler = Scheduler::with_policy(concurrency, settings.scheduling);
         for (priority, permits) in settings.reservations {
             scheduler.reserve(priority, permits);
@@ -260,6 +283,11 @@ impl<T: Transport> Engine<T> {
             stop_deadline: Cell::new(None),
             cancelling: Cell::new(false),
             cancelled: Cell::new(0),
+            timers_changed: Cell::new(true),
+            timings: settings.timings,
+            metrics_interval: settings.metrics_interval,
+            next_publish: Cell::new(None),
+            permits_gauge: metrics::permits_available(),
             phase: Cell::new(Phase::Idle),
             failure: RefCell::default(),
             closed: Notify::new(),
@@ -291,10 +319,11 @@ impl<T: Transport> Engine<T> {
             let Delivery {
                 subscription,
                 message,
+                since,
             } = delivery;
             bump(&subscription.counters.dispatched);
             self.refill(&subscription);
-            let job = Job::new(self.clone(), subscription, message, permit);
+            let job = Job::new(self.clone(), subscription, message, permit, since);
             if kept.is_none() && job.pool() == keep {
                 kept = Some(job);
             } else {
@@ -302,6 +331,11 @@ impl<T: Transport> Engine<T> {
             }
         }
         kept
+    }
+
+    /// A subscription's current priority.
+    pub(crate) fn priority_of(&self, subscription: &Subscription<T>) -> i64 {
+        self.scheduler.borrow().priority(subscription.key)
     }
 
     /// Whether jobs handed to workers wait to start. A worker that picked
@@ -349,6 +383,7 @@ impl<T: Transport> Engine<T> {
         let delivery = Delivery {
             subscription: subscription.clone(),
             message: self.store(message),
+            since: self.timings.then(Instant::now),
         };
         let inserted =
             self.scheduler

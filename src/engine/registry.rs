@@ -11,7 +11,7 @@ use tracing::{debug, info, warn};
 
 use super::subscription::{Subscription, SubscriptionId, SubscriptionSpec};
 use super::worker::WorkerPool;
-use super::{DispatcherStats, Engine, Handler, Phase};
+use super::{DispatcherStats, Engine, Handler, Phase, SubscriptionStats};
 use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{HandlerError, IntoReply, SubscriptionInfo};
@@ -138,6 +138,7 @@ impl<T: Transport> Engine<T> {
                 consumer,
                 handler,
                 self.woken.clone(),
+                self.timings,
             ));
             entry.insert(subscription.clone());
             subscription
@@ -187,11 +188,7 @@ impl<T: Transport> Engine<T> {
         let subscriptions = self
             .all_subscriptions()
             .iter()
-            .map(|subscription| {
-                let mut stats = subscription.stats();
-                stats.priority = self.scheduler.borrow().priority(subscription.key);
-                stats
-            })
+            .map(|subscription| self.stats_of(subscription))
             .collect();
         let scheduler = self.scheduler.borrow();
         DispatcherStats {
@@ -202,6 +199,13 @@ impl<T: Transport> Engine<T> {
         }
     }
 
+    /// A subscription's numbers, with where it stands in the scheduler.
+    pub(super) fn stats_of(&self, subscription: &Subscription<T>) -> SubscriptionStats {
+        let scheduler = self.scheduler.borrow();
+        let (waiting, in_flight) = scheduler.load(subscription.key);
+        subscription.stats(scheduler.priority(subscription.key), waiting, in_flight)
+    }
+
     /// Moves a subscription to another priority; false if it is gone.
     pub(crate) fn set_priority(&self, id: SubscriptionId, priority: i64) -> bool {
         let Some(subscription) = self.subscription(id) else {
@@ -210,6 +214,7 @@ impl<T: Transport> Engine<T> {
         self.scheduler
             .borrow_mut()
             .set_priority(subscription.key, priority);
+        subscription.relabel(priority);
         // A message it holds may now be the best: whoever dispatches next
         // will see it.
         self.woken.wake_engine();

@@ -1,54 +1,113 @@
-//! Counters the engine keeps for every subscription, and the snapshot
-//! [`Dispatcher::stats`](crate::Dispatcher::stats) returns.
+//! What the engine counts for every subscription, the snapshot
+//! [`Dispatcher::stats`](crate::Dispatcher::stats) returns, and the latency
+//! histograms kept when timings are on.
 //!
 //! Each counter is a `Cell` bumped where the event happens (a plain add on
-//! one thread, nothing recorded elsewhere); reading them copies them into a
-//! plain struct.
+//! one thread); reading them copies them into plain structs. The counters
+//! are listed once, in [`counters!`], which makes the live counters, their
+//! fields in [`SubscriptionStats`], their sum, and their metric names.
 
 use std::cell::Cell;
+use std::time::Duration;
 
-/// Counters of one subscription since it was registered.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct SubscriptionStats {
-    /// The full topic name.
-    pub topic: String,
-    /// The subscription name, if one was given.
-    pub subscription: Option<String>,
-    /// The scheduling priority.
-    pub priority: i64,
-    /// Messages taken from the consumer.
-    pub received: u64,
-    /// Messages handed to the handler.
-    pub dispatched: u64,
-    /// Handler calls that returned `Ok`.
-    pub succeeded: u64,
-    /// Handler calls that returned `Err`.
-    pub failed: u64,
-    /// Handler calls that panicked.
-    pub panicked: u64,
-    /// Handler calls dropped at their processing deadline.
-    pub deadline_exceeded: u64,
-    /// Messages republished to the retry topic.
-    pub retried: u64,
-    /// Messages published to a dead letter topic.
-    pub dead_lettered: u64,
-    /// Replies published.
-    pub replied: u64,
-    /// Acknowledgements handed to the transport.
-    pub acked: u64,
-    /// Negative acknowledgements handed to the transport (held ones once
-    /// their delay has passed).
-    pub nacked: u64,
-    /// Acknowledgements the transport refused; each is logged too.
-    pub acks_failed: u64,
-    /// Negative acknowledgements the transport refused; each is logged too.
-    pub nacks_failed: u64,
-    /// Errors the consumer returned instead of a message.
-    pub receive_errors: u64,
-    /// Messages the broker delivered again after they had been acked (the
-    /// ack was lost with a connection): acked again, not handled again.
-    pub redelivered_after_ack: u64,
+/// Makes, from one list of counters: the `Counters` of live cells, the
+/// matching fields of [`SubscriptionStats`] (after its other fields), how
+/// to copy and sum them, and the metric name of each.
+macro_rules! counters {
+    (
+        $(#[$stats_meta:meta])*
+        pub struct SubscriptionStats { $($(#[$head_meta:meta])* pub $head:ident: $head_type:ty,)* }
+        counters { $($(#[doc = $doc:literal])* $name:ident => $metric:literal,)* }
+    ) => {
+        $(#[$stats_meta])*
+        pub struct SubscriptionStats {
+            $($(#[$head_meta])* pub $head: $head_type,)*
+            $($(#[doc = $doc])* pub $name: u64,)*
+        }
+
+        /// The live counters of one subscription.
+        #[derive(Default)]
+        pub(crate) struct Counters {
+            $(pub(crate) $name: Cell<u64>,)*
+        }
+
+        impl Counters {
+            /// Copies the counters into `stats`.
+            pub(crate) fn copy_into(&self, stats: &mut SubscriptionStats) {
+                $(stats.$name = self.$name.get();)*
+            }
+        }
+
+        impl SubscriptionStats {
+            fn add_counts(&mut self, other: &SubscriptionStats) {
+                $(self.$name += other.$name;)*
+            }
+
+            /// Every counter with its metric name.
+            pub(crate) fn counter_values(&self) -> impl Iterator<Item = (&'static str, u64)> {
+                [$(($metric, self.$name),)*].into_iter()
+            }
+        }
+    };
+}
+
+counters! {
+    /// What one subscription has done since it was registered, and what it
+    /// holds now.
+    #[derive(Clone, Debug, Default, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub struct SubscriptionStats {
+        /// The full topic name.
+        pub topic: String,
+        /// The subscription name, if one was given.
+        pub subscription: Option<String>,
+        /// The scheduling priority.
+        pub priority: i64,
+        /// Its handlers running now.
+        pub in_flight: usize,
+        /// Messages it holds, waiting for a permit (or for their key).
+        pub waiting: usize,
+        /// From a message's arrival in its slot to its handler's start
+        /// (with timings on).
+        pub slot_wait: Option<Latency>,
+        /// How long handlers ran (with timings on).
+        pub handler_duration: Option<Latency>,
+    }
+    counters {
+        /// Messages taken from the consumer.
+        received => "pulsar_dispatcher_messages_received_total",
+        /// Messages handed to the handler.
+        dispatched => "pulsar_dispatcher_messages_dispatched_total",
+        /// Handler calls that returned `Ok`.
+        succeeded => "pulsar_dispatcher_messages_succeeded_total",
+        /// Handler calls that returned `Err`.
+        failed => "pulsar_dispatcher_messages_failed_total",
+        /// Handler calls that panicked.
+        panicked => "pulsar_dispatcher_messages_panicked_total",
+        /// Handler calls dropped at their processing deadline.
+        deadline_exceeded => "pulsar_dispatcher_messages_deadline_exceeded_total",
+        /// Messages republished to the retry topic.
+        retried => "pulsar_dispatcher_messages_retried_total",
+        /// Messages published to a dead letter topic.
+        dead_lettered => "pulsar_dispatcher_messages_dead_lettered_total",
+        /// Replies published.
+        replied => "pulsar_dispatcher_replies_published_total",
+        /// Acknowledgements handed to the transport.
+        acked => "pulsar_dispatcher_messages_acked_total",
+        /// Negative acknowledgements handed to the transport (held ones once
+        /// their delay has passed).
+        nacked => "pulsar_dispatcher_messages_nacked_total",
+        /// Acknowledgements the transport refused; each is logged too.
+        acks_failed => "pulsar_dispatcher_acks_failed_total",
+        /// Negative acknowledgements the transport refused; each is logged
+        /// too.
+        nacks_failed => "pulsar_dispatcher_nacks_failed_total",
+        /// Errors the consumer returned instead of a message.
+        receive_errors => "pulsar_dispatcher_receive_errors_total",
+        /// Messages the broker delivered again after they had been acked (the
+        /// ack was lost with a connection): acked again, not handled again.
+        redelivered_after_ack => "pulsar_dispatcher_messages_redelivered_after_ack_total",
+    }
 }
 
 /// A snapshot of a dispatcher's counters.
@@ -59,7 +118,7 @@ pub struct DispatcherStats {
     pub subscriptions: Vec<SubscriptionStats>,
     /// Handlers running now.
     pub in_flight: usize,
-    /// Messages waiting in slots for a permit.
+    /// Messages held in subscriptions, waiting for a permit.
     pub waiting: usize,
     /// The concurrency limit.
     pub concurrency: usize,
@@ -67,49 +126,16 @@ pub struct DispatcherStats {
 
 impl DispatcherStats {
     /// The sum of every subscription's counters (topic and subscription
-    /// left empty).
+    /// left empty, no latencies).
     pub fn total(&self) -> SubscriptionStats {
         let mut total = SubscriptionStats::default();
-        for s in &self.subscriptions {
-            total.received += s.received;
-            total.dispatched += s.dispatched;
-            total.succeeded += s.succeeded;
-            total.failed += s.failed;
-            total.panicked += s.panicked;
-            total.deadline_exceeded += s.deadline_exceeded;
-            total.retried += s.retried;
-            total.dead_lettered += s.dead_lettered;
-            total.replied += s.replied;
-            total.acked += s.acked;
-            total.nacked += s.nacked;
-            total.acks_failed += s.acks_failed;
-            total.nacks_failed += s.nacks_failed;
-            total.receive_errors += s.receive_errors;
-            total.redelivered_after_ack += s.redelivered_after_ack;
+        for subscription in &self.subscriptions {
+            total.add_counts(subscription);
+            total.in_flight += subscription.in_flight;
+            total.waiting += subscription.waiting;
         }
         total
     }
-}
-
-/// The live counters of one subscription.
-#[derive(Default)]
-pub(crate) struct Counters {
-    pub(crate) received: Cell<u64>,
-    pub(crate) dispatched: Cell<u64>,
-    pub(crate) succeeded: Cell<u64>,
-    pub(crate) failed: Cell<u64>,
-    pub(crate) panicked: Cell<u64>,
-    pub(crate) deadline_exceeded: Cell<u64>,
-    pub(crate) retried: Cell<u64>,
-    pub(crate) dead_lettered: Cell<u64>,
-    pub(crate) replied: Cell<u64>,
-    pub(crate) acked: Cell<u64>,
-    pub(crate) nacked: Cell<u64>,
-    pub(crate) acks_failed: Cell<u64>,
-    pub(crate) nacks_failed: Cell<u64>,
-    pub(crate) receive_errors: Cell<u64>,
-    /// Read from the consumer when it closes (live from it before).
-    pub(crate) redelivered_after_ack: Cell<u64>,
 }
 
 /// Adds one to a counter.
@@ -117,33 +143,136 @@ pub(crate) fn bump(counter: &Cell<u64>) {
     counter.set(counter.get() + 1);
 }
 
-impl Counters {
-    /// The counters as plain numbers, labelled with their subscription.
-    pub(crate) fn snapshot(
-        &self,
-        topic: &str,
-        subscription: Option<&str>,
-        priority: i64,
-    ) -> SubscriptionStats {
-        SubscriptionStats {
-            topic: topic.to_owned(),
-            subscription: subscription.map(str::to_owned),
-            priority,
-            received: self.received.get(),
-            dispatched: self.dispatched.get(),
-            succeeded: self.succeeded.get(),
-            failed: self.failed.get(),
-            panicked: self.panicked.get(),
-            deadline_exceeded: self.deadline_exceeded.get(),
-            retried: self.retried.get(),
-            dead_lettered: self.dead_lettered.get(),
-            replied: self.replied.get(),
-            acked: self.acked.get(),
-            nacked: self.nacked.get(),
-            acks_failed: self.acks_failed.get(),
-            nacks_failed: self.nacks_failed.get(),
-            receive_errors: self.receive_errors.get(),
-            redelivered_after_ack: self.redelivered_after_ack.get(),
+/// A summary of a latency histogram.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Latency {
+    /// How many were recorded.
+    pub count: u64,
+    /// The median, to within the histogram's resolution (about 6%).
+    pub p50: Duration,
+    /// The 99th percentile, to within the histogram's resolution.
+    pub p99: Duration,
+    /// The largest recorded.
+    pub max: Duration,
+}
+
+/// Sub-buckets per power of two: a resolution of 1/16 (about 6%).
+const SUB_BUCKETS: usize = 16;
+/// Powers of two covered, from 1 ns: up to about 2^40 ns, 18 minutes.
+const OCTAVES: usize = 40;
+
+/// A latency histogram in fixed buckets (log-linear, from 1 ns to about 18
+/// minutes at about 6% resolution): recording is an index computation and
+/// an add, without allocation.
+pub(crate) struct LatencyHistogram {
+    buckets: Box<[Cell<u64>]>,
+    count: Cell<u64>,
+    max: Cell<u64>,
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        LatencyHistogram {
+            buckets: (0..OCTAVES * SUB_BUCKETS).map(|_| Cell::new(0)).collect(),
+            count: Cell::new(0),
+            max: Cell::new(0),
         }
+    }
+}
+
+impl LatencyHistogram {
+    pub(crate) fn record(&self, latency: Duration) {
+        let nanos = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX).max(1);
+        let bucket = bucket_of(nanos).min(self.buckets.len() - 1);
+        bump(&self.buckets[bucket]);
+        bump(&self.count);
+        self.max.set(self.max.get().max(nanos));
+    }
+
+    pub(crate) fn summary(&self) -> Latency {
+        Latency {
+            count: self.count.get(),
+            p50: self.percentile(0.50),
+            p99: self.percentile(0.99),
+            max: Duration::from_nanos(self.max.get()),
+        }
+    }
+
+    /// The upper bound of the bucket holding the `quantile`, capped at the
+    /// largest value recorded.
+    fn percentile(&self, quantile: f64) -> Duration {
+        let count = self.count.get();
+        if count == 0 {
+            return Duration::ZERO;
+        }
+        let rank = ((count as f64) * quantile).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (bucket, recorded) in self.buckets.iter().enumerate() {
+            seen += recorded.get();
+            if seen >= rank {
+                return Duration::from_nanos(upper_bound(bucket).min(self.max.get()));
+            }
+        }
+        Duration::from_nanos(self.max.get())
+    }
+}
+
+/// The bucket of a value: its power of two, then which sixteenth of it.
+fn bucket_of(nanos: u64) -> usize {
+    let octave = 63 - nanos.leading_zeros() as usize;
+    if octave < 4 {
+        return nanos as usize;
+    }
+    let fraction = (nanos >> (octave - 4)) as usize & (SUB_BUCKETS - 1);
+    (octave - 3) * SUB_BUCKETS + fraction
+}
+
+/// The largest value in a bucket.
+fn upper_bound(bucket: usize) -> u64 {
+    if bucket < SUB_BUCKETS {
+        return bucket as u64;
+    }
+    let octave = bucket / SUB_BUCKETS + 3;
+    let fraction = (bucket % SUB_BUCKETS) as u64;
+    ((SUB_BUCKETS as u64 + fraction + 1) << (octave - 4)) - 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_values_within_their_resolution() {
+        for nanos in [1, 5, 15, 16, 17, 31, 32, 1000, 123_456, 9_999_999, 1 << 39] {
+            let bucket = bucket_of(nanos);
+            let upper = upper_bound(bucket);
+            assert!(upper >= nanos, "{nanos} in bucket {bucket} up to {upper}");
+            assert!(
+                (upper - nanos) as f64 <= nanos as f64 / 16.0 + 1.0,
+                "{nanos}: bucket up to {upper} is too wide"
+            );
+            if bucket > 0 {
+                assert!(upper_bound(bucket - 1) < nanos, "{nanos}: bucket {bucket}");
+            }
+        }
+    }
+
+    #[test]
+    fn percentiles_come_from_the_recorded_values() {
+        let histogram = LatencyHistogram::default();
+        for micros in 1..=100 {
+            histogram.record(Duration::from_micros(micros));
+        }
+        let latency = histogram.summary();
+        assert_eq!(latency.count, 100);
+        let near = |got: Duration, want: u64| {
+            let want = Duration::from_micros(want);
+            got >= want && got <= want + want / 15
+        };
+        assert!(near(latency.p50, 50), "{latency:?}");
+        assert!(near(latency.p99, 99), "{latency:?}");
+        assert_eq!(latency.max, Duration::from_micros(100));
+        assert_eq!(LatencyHistogram::default().summary(), Latency::default());
     }
 }

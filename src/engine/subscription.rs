@@ -17,7 +17,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::stats::{bump, Counters, SubscriptionStats};
+use super::health::SubscriptionHealth;
+use super::metrics::SubscriptionMetrics;
+use super::stats::{bump, Counters, LatencyHistogram, SubscriptionStats};
 use super::wake::{SubscriptionWaker, WokenList};
 use super::Handler;
 use crate::error::{Error, TransportError};
@@ -87,6 +89,20 @@ pub(crate) struct Subscription<T: Transport> {
     keyed: bool,
     receive_failure_limit: Duration,
     failures: RefCell<ReceiveFailures>,
+    metrics: RefCell<SubscriptionMetrics>,
+    /// Latency histograms, with timings on.
+    timings: Option<Timings>,
+    /// (messages received, when that count was first seen).
+    last_received: Cell<(u64, Option<Instant>)>,
+    /// Deadlines of its handlers running with a processing deadline.
+    deadlines: RefCell<Vec<Instant>>,
+}
+
+/// What one subscription records with timings on.
+#[derive(Default)]
+struct Timings {
+    slot_wait: LatencyHistogram,
+    handler_duration: LatencyHistogram,
 }
 
 /// What polling a subscription's consumer gave.
@@ -127,9 +143,11 @@ impl<T: Transport> Subscription<T> {
         consumer: T::Consumer,
         handler: Handler<T>,
         woken: Arc<WokenList>,
+        timings: bool,
     ) -> Self {
         let waker_state = SubscriptionWaker::new(id.index, woken);
         let info = spec.info();
+        let (info_topic, info_subscription) = (info.topic.clone(), info.subscription.clone());
         Subscription {
             id,
             key,
@@ -149,6 +167,14 @@ impl<T: Transport> Subscription<T> {
             keyed: spec.scheduling.ordering == Ordering::Key,
             receive_failure_limit: spec.receive_failure_limit,
             failures: RefCell::default(),
+            metrics: RefCell::new(SubscriptionMetrics::register(
+                &info_topic,
+                info_subscription.as_deref(),
+                spec.scheduling.priority,
+            )),
+            timings: timings.then(Timings::default),
+            last_received: Cell::new((0, None)),
+            deadlines: RefCell::default(),
         }
     }
 
@@ -357,16 +383,100 @@ impl<T: Transport> Subscription<T> {
         }
     }
 
-    pub(crate) fn stats(&self) -> SubscriptionStats {
-        let mut stats = self.counters.snapshot(
-            &self.info.topic,
-            self.info.subscription.as_deref(),
-            self.info.priority,
-        );
+    /// Its numbers, given where it stands in the scheduler.
+    pub(crate) fn stats(
+        &self,
+        priority: i64,
+        waiting: usize,
+        in_flight: usize,
+    ) -> SubscriptionStats {
+        let mut stats = SubscriptionStats {
+            topic: self.info.topic.clone(),
+            subscription: self.info.subscription.clone(),
+            priority,
+            in_flight,
+            waiting,
+            slot_wait: self.timings.as_ref().map(|t| t.slot_wait.summary()),
+            handler_duration: self.timings.as_ref().map(|t| t.handler_duration.summary()),
+            ..SubscriptionStats::default()
+        };
+        self.counters.copy_into(&mut stats);
         if let Some(consumer) = self.consumer.borrow().as_ref() {
             stats.redelivered_after_ack = consumer.redelivered_after_ack();
         }
         stats
+    }
+
+    /// Records how long a message waited in its slot and how long its
+    /// handler ran (with timings on).
+    pub(crate) fn record_timings(&self, waited: Duration, ran: Duration) {
+        if let Some(timings) = &self.timings {
+            timings.slot_wait.record(waited);
+            timings.handler_duration.record(ran);
+            let metrics = self.metrics.borrow();
+            metrics.slot_wait.record(waited.as_secs_f64());
+            metrics.handler_duration.record(ran.as_secs_f64());
+        }
+    }
+
+    /// Registers its metrics again, labelled with `priority`.
+    pub(crate) fn relabel(&self, priority: i64) {
+        *self.metrics.borrow_mut() = SubscriptionMetrics::register(
+            &self.info.topic,
+            self.info.subscription.as_deref(),
+            priority,
+        );
+    }
+
+    /// Publishes its numbers to the metrics recorder, and notes whether it
+    /// received anything since the last look.
+    pub(crate) fn publish(&self, stats: &SubscriptionStats, now: Instant) {
+        self.metrics.borrow().publish(stats);
+        self.note_received(stats.received, now);
+    }
+
+    fn note_received(&self, received: u64, now: Instant) {
+        let (seen, _) = self.last_received.get();
+        if received != seen {
+            self.last_received.set((received, Some(now)));
+        }
+    }
+
+    /// Whether its consumer delivers, when it last received (to within a
+    /// publishing interval), and how many of its handlers run past their
+    /// deadline.
+    pub(crate) fn health(&self, now: Instant) -> SubscriptionHealth {
+        self.note_received(self.counters.received.get(), now);
+        let failing = self.failures.borrow().in_a_row > 0;
+        SubscriptionHealth {
+            topic: self.info.topic.clone(),
+            subscription: self.info.subscription.clone(),
+            receiving: self.is_receiving() && !failing && self.consumer.borrow().is_some(),
+            last_received: self
+                .last_received
+                .get()
+                .1
+                .map(|at| now.saturating_duration_since(at)),
+            overdue_handlers: self
+                .deadlines
+                .borrow()
+                .iter()
+                .filter(|deadline| **deadline < now)
+                .count(),
+        }
+    }
+
+    /// Notes a handler that must finish by `deadline`.
+    pub(crate) fn started_with_deadline(&self, deadline: Instant) {
+        self.deadlines.borrow_mut().push(deadline);
+    }
+
+    /// Notes that the handler due by `deadline` has finished.
+    pub(crate) fn finished_with_deadline(&self, deadline: Instant) {
+        let mut deadlines = self.deadlines.borrow_mut();
+        if let Some(at) = deadlines.iter().position(|d| *d == deadline) {
+            deadlines.swap_remove(at);
+        }
     }
 }
 

@@ -19,7 +19,8 @@ use std::rc::Rc;
 use std::task::{Poll, Waker};
 
 use futures::FutureExt;
-use tracing::warn;
+use tokio::time::Instant;
+use tracing::{warn, Instrument};
 
 use super::subscription::Subscription;
 use super::{Engine, Handler, MessageBox, Pool};
@@ -107,13 +108,29 @@ where
     /// Runs the handler on the job's message where it is stored, then
     /// settles the message by the handler's outcome.
     async fn run(&self, job: Job<T>, engine: &Engine<T>) {
+        let span = job.span(engine);
+        let started = job.since.map(|_| Instant::now());
         let handler: &F = job.handler();
-        let handled = AssertUnwindSafe(handler(job.message())).catch_unwind();
+        let handled = AssertUnwindSafe(handler(job.message()))
+            .catch_unwind()
+            .instrument(span.clone());
         let handled = match job.subscription.processing_timeout {
             None => Some(handled.await),
             // The handler's future is dropped at the deadline.
-            Some(limit) => tokio::time::timeout(limit, handled).await.ok(),
+            Some(limit) => {
+                let deadline = Instant::now() + limit;
+                job.subscription.started_with_deadline(deadline);
+                let handled = tokio::time::timeout_at(deadline, handled).await.ok();
+                job.subscription.finished_with_deadline(deadline);
+                handled
+            }
         };
+        if let (Some(since), Some(started)) = (job.since, started) {
+            let ran = started.elapsed();
+            job.subscription
+                .record_timings(started.saturating_duration_since(since), ran);
+        }
+        let _entered = span.enter();
         let outcome = match handled {
             Some(Ok(result)) => Outcome::of(result),
             Some(Err(panic)) => Outcome::panicked(panic.as_ref()),
@@ -126,7 +143,11 @@ where
         // Routing and settling are the dispatcher's own code; a panic there
         // is a bug that must not pass unnoticed. The job's guard still
         // nacks the message and returns the permit.
-        if let Err(panic) = AssertUnwindSafe(job.finish(outcome)).catch_unwind().await {
+        drop(_entered);
+        let finishing = AssertUnwindSafe(job.finish(outcome))
+            .catch_unwind()
+            .instrument(span);
+        if let Err(panic) = finishing.await {
             engine.fail(Error::EngineFailed {
                 reason: format!(
                     "settling a message panicked: {}",
@@ -212,6 +233,8 @@ pub(crate) struct Job<T: Transport> {
     message: Option<MessageBox>,
     /// Given back to the scheduler when the job ends.
     permit: Option<Permit>,
+    /// When the message arrived in its slot (with timings on).
+    since: Option<Instant>,
     /// Handed to a worker that has not started it yet.
     handed_over: bool,
     finished: bool,
@@ -223,12 +246,14 @@ impl<T: Transport> Job<T> {
         subscription: Rc<Subscription<T>>,
         message: MessageBox,
         permit: Permit,
+        since: Option<Instant>,
     ) -> Self {
         Job {
             engine,
             subscription,
             message: Some(message),
             permit: Some(permit),
+            since,
             handed_over: false,
             finished: false,
         }
@@ -253,6 +278,20 @@ impl<T: Transport> Job<T> {
     /// The pool that runs this message's handler.
     pub(crate) fn pool(&self) -> *const () {
         self.subscription.handler.pool_id()
+    }
+
+    /// The span the message's handling runs in: topic, message id,
+    /// priority and redelivery count, at debug level, so that a subscriber
+    /// at info pays one check for it.
+    fn span(&self, engine: &Engine<T>) -> tracing::Span {
+        let message = self.message();
+        tracing::debug_span!(
+            "message",
+            topic = %message.topic(),
+            message_id = %message.id(),
+            priority = engine.priority_of(&self.subscription),
+            redelivery_count = message.redelivery_count(),
+        )
     }
 
     /// The handler value, as the type its pool runs.

@@ -1,0 +1,275 @@
+//! Observability on the in-memory transport: timings in the stats, metrics
+//! through the `metrics` facade, health, and the per-message span.
+
+use std::io::Write;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::MetricKind;
+
+use super::{dispatcher, gated, options, run_local, settle_down, spawn_run, Gate};
+use crate::transport::MemoryTransport;
+use crate::{Dispatcher, HealthPhase, Message, SubscribeOptions};
+
+async fn outcome_by_payload(message: &Message) -> Result<(), &'static str> {
+    match message.payload() {
+        b"fail" => Err("failed"),
+        _ => Ok(()),
+    }
+}
+
+#[test]
+fn with_timings_the_stats_summarise_slot_waits_and_handler_durations() {
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(1)
+            .timings(true)
+            .build(transport.clone())
+            .unwrap();
+        for _ in 0..20 {
+            transport.send("jobs", "x");
+        }
+        dispatcher
+            .subscribe(
+                "jobs",
+                async |_: &Message| {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    Ok::<_, std::convert::Infallible>(())
+                },
+                options(1),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("jobs", 20).await;
+        let stats = dispatcher.stats().subscriptions.remove(0);
+        let ran = stats.handler_duration.expect("timings are on");
+        let waited = stats.slot_wait.expect("timings are on");
+        assert_eq!((ran.count, waited.count), (20, 20));
+        assert!(ran.p50 >= Duration::from_millis(1), "{ran:?}");
+        assert!(ran.p50 <= ran.p99 && ran.p99 <= ran.max, "{ran:?}");
+        // With one permit, a message waits in its slot while the one before
+        // it runs.
+        assert!(waited.p99 >= Duration::from_micros(500), "{waited:?}");
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn without_timings_nothing_is_measured() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        transport.send("jobs", "x");
+        dispatcher
+            .subscribe("jobs", outcome_by_payload, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("jobs", 1).await;
+        let stats = dispatcher.stats().subscriptions.remove(0);
+        assert_eq!((stats.slot_wait, stats.handler_duration), (None, None));
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn counters_and_gauges_reach_the_metrics_recorder_with_their_labels() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // Registered at subscribe: the recorder must be in place by then.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(2)
+            .timings(true)
+            .metrics_interval(Some(Duration::from_millis(10)))
+            .build(transport.clone())
+            .unwrap();
+        for payload in ["ok", "ok", "ok", "fail"] {
+            transport.send("orders", payload);
+        }
+        dispatcher
+            .subscribe(
+                "orders",
+                outcome_by_payload,
+                SubscribeOptions::new()
+                    .subscription("orders-sub")
+                    .priority(7)
+                    .negative_ack_redelivery_delay(Duration::from_secs(60)),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("orders", 3).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+    let mut metrics: Vec<_> = snapshotter.snapshot().into_vec();
+    let mut value = |kind: MetricKind, name: &str| {
+        let at = metrics
+            .iter()
+            .position(|(key, ..)| key.kind() == kind && key.key().name() == name)
+            .unwrap_or_else(|| panic!("no {name}"));
+        let (key, _, _, value) = metrics.swap_remove(at);
+        (key.key().labels().cloned().collect::<Vec<_>>(), value)
+    };
+    let (labels, succeeded) = value(
+        MetricKind::Counter,
+        "pulsar_dispatcher_messages_succeeded_total",
+    );
+    assert_eq!(succeeded, DebugValue::Counter(3));
+    let labels: Vec<(String, String)> = labels
+        .iter()
+        .map(|l| (l.key().to_owned(), l.value().to_owned()))
+        .collect();
+    assert!(labels.contains(&("topic".into(), "persistent://public/default/orders".into())));
+    assert!(labels.contains(&("subscription".into(), "orders-sub".into())));
+    assert!(labels.contains(&("priority".into(), "7".into())));
+    let (_, failed) = value(
+        MetricKind::Counter,
+        "pulsar_dispatcher_messages_failed_total",
+    );
+    assert_eq!(failed, DebugValue::Counter(1));
+    let (_, acked) = value(
+        MetricKind::Counter,
+        "pulsar_dispatcher_messages_acked_total",
+    );
+    assert_eq!(acked, DebugValue::Counter(3));
+    let (_, in_flight) = value(MetricKind::Gauge, "pulsar_dispatcher_in_flight");
+    assert_eq!(
+        in_flight,
+        DebugValue::Gauge(0.0.into()),
+        "published at close"
+    );
+    let (_, permits) = value(MetricKind::Gauge, "pulsar_dispatcher_permits_available");
+    assert_eq!(permits, DebugValue::Gauge(2.0.into()));
+    let (_, waits) = value(MetricKind::Histogram, "pulsar_dispatcher_slot_wait_seconds");
+    let DebugValue::Histogram(waits) = waits else {
+        panic!("a histogram")
+    };
+    assert_eq!(waits.len(), 4, "one per message handled");
+}
+
+#[test]
+fn health_follows_the_lifecycle_and_each_subscriptions_consumer() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let gate = Gate::default();
+        dispatcher
+            .subscribe("healthy", gated(&gate), options(1))
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("broken", gated(&gate), options(1))
+            .await
+            .unwrap();
+        let before = dispatcher.health();
+        assert_eq!(before.phase, HealthPhase::Idle);
+        assert!(before.is_live() && !before.is_ready());
+        assert_eq!(before.subscriptions[0].last_received, None);
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.send("healthy", "x");
+        settle_down().await;
+        let running = dispatcher.health();
+        assert_eq!(running.phase, HealthPhase::Running);
+        assert!(running.is_ready(), "{running:?}");
+        assert!(running.subscriptions[0].last_received.is_some());
+        assert_eq!(running.subscriptions[1].last_received, None);
+        assert_eq!(running.in_flight, 1);
+        transport.fail_receives("broken", usize::MAX);
+        settle_down().await;
+        let failing = dispatcher.health();
+        assert!(!failing.subscriptions[1].receiving);
+        assert!(failing.subscriptions[0].receiving);
+        assert!(!failing.is_ready() && failing.is_live());
+        let closing = {
+            let dispatcher = dispatcher.clone();
+            tokio::task::spawn_local(async move { dispatcher.close().await })
+        };
+        settle_down().await;
+        assert_eq!(dispatcher.health().phase, HealthPhase::Draining);
+        gate.open();
+        closing.await.unwrap();
+        run.await.unwrap().unwrap();
+        let closed = dispatcher.close_handle().health().unwrap();
+        assert_eq!(closed.phase, HealthPhase::Closed);
+        assert!(!closed.is_live());
+    });
+}
+
+/// A writer the test can read back.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn handlers_and_settlement_run_inside_a_span_per_message() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("pulsar_dispatcher=debug")
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+    // Other tests, on other threads, may have met the same callsites with
+    // no subscriber and cached "never".
+    tracing::callsite::rebuild_interest_cache();
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let id = transport.send("jobs", "fail");
+        dispatcher
+            .subscribe(
+                "jobs",
+                async |_: &Message| {
+                    tracing::info!("the handler says hello");
+                    Err::<(), _>("no")
+                },
+                options(3).negative_ack_redelivery_delay(Duration::from_secs(60)),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let output = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let span =
+            format!("message{{topic=persistent://public/default/jobs message_id={id} priority=3");
+        let lines_in_span: Vec<&str> = output.lines().filter(|l| l.contains(&span)).collect();
+        assert!(
+            lines_in_span
+                .iter()
+                .any(|l| l.contains("the handler says hello")),
+            "{output}"
+        );
+        assert!(
+            lines_in_span
+                .iter()
+                .any(|l| l.contains("handler failed; nacking")),
+            "the engine's events use the span too: {output}"
+        );
+    });
+}
