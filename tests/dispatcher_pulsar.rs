@@ -19,38 +19,20 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    client, fresh_topic, is_topic_or_partition, pulsar_url, run_local, start, unique_name,
-    wait_for_stats, wait_until, TopicKind,
+    fresh_topic, is_topic_or_partition, pulsar_url, run_local, start, unique_name, wait_for_stats,
+    wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 use tokio::sync::Notify;
 
 async fn produce(topic: &str, payloads: impl IntoIterator<Item = String>) {
-    let client = client().await;
-    let mut producer = client
-        .producer()
-        .with_topic(topic)
-        .build()
-        .await
-        .expect("producer");
-    // Bounded in flight: the crate fails fast once its outbound queue fills.
-    let mut receipts = Vec::new();
-    for payload in payloads {
-        receipts.push(
-            producer
-                .send_non_blocking(payload.into_bytes())
-                .await
-                .expect("send"),
-        );
-        if receipts.len() == 50 {
-            for receipt in receipts.drain(..) {
-                receipt.await.expect("receipt");
-            }
-        }
-    }
-    for receipt in receipts {
-        receipt.await.expect("receipt");
-    }
+    let messages = payloads
+        .into_iter()
+        .map(|payload| pulsar::producer::Message {
+            payload: payload.into_bytes(),
+            ..Default::default()
+        });
+    common::publish(topic, messages).await;
 }
 
 fn shared(subscription: &str, priority: i64) -> SubscribeOptions {

@@ -12,7 +12,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    client, create_partitioned_topic, fresh_topic, pulsar_url, run_local, start, unique_name,
+    create_partitioned_topic, fresh_topic, pulsar_url, run_local, start, unique_name,
     wait_for_stats, wait_until, TopicKind,
 };
 use pulsar::consumer::InitialPosition;
@@ -21,42 +21,10 @@ use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 
 const PARTITIONS: u32 = 3;
 
-/// Publishes `count` messages with payload `<n>` and key `key-<n % keys>`.
-async fn produce_keyed(topic: &str, count: usize, keys: usize) {
-    let client = client().await;
-    let mut producer = client
-        .producer()
-        .with_topic(topic)
-        .build()
-        .await
-        .expect("producer");
-    let mut receipts = Vec::new();
-    for n in 0..count {
-        let message = pulsar::producer::Message {
-            payload: n.to_string().into_bytes(),
-            partition_key: Some(format!("key-{}", n % keys)),
-            ..Default::default()
-        };
-        receipts.push(producer.send_non_blocking(message).await.expect("send"));
-        if receipts.len() == 50 {
-            for receipt in receipts.drain(..) {
-                receipt.await.expect("receipt");
-            }
-        }
-    }
-    for receipt in receipts {
-        receipt.await.expect("receipt");
-    }
-}
-
 fn from_the_start(options: SubscribeOptions) -> SubscribeOptions {
     options.consumer_options(
         ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
     )
-}
-
-fn payload_number(message: &Message) -> usize {
-    String::from_utf8_lossy(message.payload()).parse().unwrap()
 }
 
 #[test]
@@ -71,7 +39,7 @@ fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name()
             let short_name = unique_name("short");
             create_partitioned_topic(&short_name, PARTITIONS);
             let subscription = unique_name("sub");
-            produce_keyed(&short_name, 60, 7).await;
+            common::publish(&short_name, common::keyed_messages(60, 7)).await;
             let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
             let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
             let record = handled.clone();
@@ -79,7 +47,7 @@ fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name()
                 .subscribe(
                     &short_name,
                     async move |message: &Message| {
-                        record.borrow_mut().push(payload_number(message));
+                        record.borrow_mut().push(common::payload_number(message));
                         Ok::<_, Infallible>(())
                     },
                     from_the_start(
@@ -149,7 +117,9 @@ fn key_shared_on_a_partitioned_topic_keeps_each_key_on_one_dispatcher_in_order()
                 .subscribe(
                     &topic,
                     async move |message: &Message| {
-                        record.borrow_mut().push((index, payload_number(message)));
+                        record
+                            .borrow_mut()
+                            .push((index, common::payload_number(message)));
                         Ok::<_, Infallible>(())
                     },
                     SubscribeOptions::new()
@@ -161,7 +131,7 @@ fn key_shared_on_a_partitioned_topic_keeps_each_key_on_one_dispatcher_in_order()
             runs.push(start(&dispatcher));
             dispatchers.push(dispatcher);
         }
-        produce_keyed(&topic, messages, keys).await;
+        common::publish(&topic, common::keyed_messages(messages, keys)).await;
         wait_until("every message", Duration::from_secs(60), || {
             handled.borrow().len() >= messages
         })
@@ -210,7 +180,7 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
         let topic = fresh_topic("backlog", TopicKind::Partitioned(PARTITIONS));
         let subscription = unique_name("sub");
         let total = 1000;
-        produce_keyed(&topic, total, 17).await;
+        common::publish(&topic, common::keyed_messages(total, 17)).await;
         let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
         let options = || {
             from_the_start(
@@ -222,7 +192,7 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
         let handler = || {
             let record = handled.clone();
             async move |message: &Message| {
-                record.borrow_mut().push(payload_number(message));
+                record.borrow_mut().push(common::payload_number(message));
                 Ok::<_, Infallible>(())
             }
         };

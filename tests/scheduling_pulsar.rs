@@ -13,45 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{
-    client, fresh_topic, pulsar_url, run_local, start, unique_name, wait_for_stats, wait_until,
-    TopicKind,
+    fresh_topic, pulsar_url, run_local, start, unique_name, wait_for_stats, wait_until, TopicKind,
 };
 use pulsar::consumer::InitialPosition;
 use pulsar::ConsumerOptions;
 use pulsar_dispatcher::per_core::PerCore;
 use pulsar_dispatcher::{Dispatcher, Message, Ordering, SubType, SubscribeOptions};
-
-/// Publishes `count` messages `<n>` with partition key `key-<n % keys>`.
-async fn produce(topic: &str, count: usize, keys: usize) {
-    let client = client().await;
-    let mut producer = client
-        .producer()
-        .with_topic(topic)
-        .build()
-        .await
-        .expect("producer");
-    let mut receipts = Vec::new();
-    for n in 0..count {
-        let message = pulsar::producer::Message {
-            payload: n.to_string().into_bytes(),
-            partition_key: Some(format!("key-{}", n % keys)),
-            ..Default::default()
-        };
-        receipts.push(producer.send_non_blocking(message).await.expect("send"));
-        if receipts.len() == 50 {
-            for receipt in receipts.drain(..) {
-                receipt.await.expect("receipt");
-            }
-        }
-    }
-    for receipt in receipts {
-        receipt.await.expect("receipt");
-    }
-}
-
-fn number(message: &Message) -> usize {
-    String::from_utf8_lossy(message.payload()).parse().unwrap()
-}
 
 fn shared(subscription: &str) -> SubscribeOptions {
     SubscribeOptions::new()
@@ -69,8 +36,8 @@ fn a_subscription_added_and_removed_under_load_loses_nothing_and_others_flow() {
         let visiting = fresh_topic("visiting", TopicKind::Plain);
         let (steady_sub, visiting_sub) = (unique_name("steady-sub"), unique_name("visiting-sub"));
         let total = 600;
-        produce(&steady, total, 7).await;
-        produce(&visiting, total, 7).await;
+        common::publish(&steady, common::keyed_messages(total, 7)).await;
+        common::publish(&visiting, common::keyed_messages(total, 7)).await;
         let dispatcher = Rc::new(
             Dispatcher::builder()
                 .concurrency(8)
@@ -84,7 +51,7 @@ fn a_subscription_added_and_removed_under_load_loses_nothing_and_others_flow() {
             let seen = seen.clone();
             async move |message: &Message| {
                 tokio::time::sleep(Duration::from_millis(2)).await;
-                seen.borrow_mut().push(number(message));
+                seen.borrow_mut().push(common::payload_number(message));
                 Ok::<_, Infallible>(())
             }
         };
@@ -190,7 +157,7 @@ fn key_ordering_holds_per_key_across_two_dispatchers_on_key_shared() {
             async move {
                 let dispatcher = Dispatcher::builder().concurrency(8).connect(&url).await?;
                 let handler = async move |message: &Message| {
-                    let n = number(message);
+                    let n = common::payload_number(message);
                     let key = n % keys;
                     {
                         let mut log = log.lock().unwrap();
@@ -219,7 +186,10 @@ fn key_ordering_holds_per_key_across_two_dispatchers_on_key_shared() {
         }
     };
     let group = PerCore::start(2, factory).expect("both dispatchers start");
-    run_local(Duration::from_secs(60), produce(&topic, messages, keys));
+    run_local(
+        Duration::from_secs(60),
+        common::publish(&topic, common::keyed_messages(messages, keys)),
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     while log.lock().unwrap().0.len() < messages && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
@@ -252,7 +222,7 @@ fn max_in_flight_is_honoured_on_the_broker() {
     run_local(Duration::from_secs(90), async {
         let topic = fresh_topic("capped", TopicKind::Partitioned(2));
         let subscription = unique_name("sub");
-        produce(&topic, 200, 10).await;
+        common::publish(&topic, common::keyed_messages(200, 10)).await;
         let dispatcher = Rc::new(
             Dispatcher::builder()
                 .concurrency(20)
@@ -298,8 +268,8 @@ fn a_priority_changed_mid_run_reorders_the_work_that_follows() {
         let first = fresh_topic("first", TopicKind::Plain);
         let second = fresh_topic("second", TopicKind::Plain);
         let subscription = unique_name("sub");
-        produce(&first, 30, 1).await;
-        produce(&second, 30, 1).await;
+        common::publish(&first, common::keyed_messages(30, 1)).await;
+        common::publish(&second, common::keyed_messages(30, 1)).await;
         let dispatcher = Rc::new(
             Dispatcher::builder()
                 .concurrency(1)

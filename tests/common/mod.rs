@@ -413,6 +413,50 @@ pub async fn run_interop(script: &str, request: serde_json::Value) -> serde_json
     .expect("python runner thread")
 }
 
+/// Publishes `messages` to `topic` and waits for the broker's receipts,
+/// with at most 50 unconfirmed at a time (the crate fails fast once its
+/// outbound queue fills).
+pub async fn publish(topic: &str, messages: impl IntoIterator<Item = pulsar::producer::Message>) {
+    let client = client().await;
+    let mut producer = client
+        .producer()
+        .with_topic(topic)
+        .build()
+        .await
+        .expect("producer");
+    let mut receipts = Vec::new();
+    for message in messages {
+        receipts.push(producer.send_non_blocking(message).await.expect("send"));
+        if receipts.len() == 50 {
+            for receipt in receipts.drain(..) {
+                receipt.await.expect("receipt");
+            }
+        }
+    }
+    for receipt in receipts {
+        receipt.await.expect("receipt");
+    }
+}
+
+/// `count` messages with payload `<n>` and partition key `key-<n % keys>`.
+pub fn keyed_messages(
+    count: usize,
+    keys: usize,
+) -> impl Iterator<Item = pulsar::producer::Message> {
+    (0..count).map(move |n| pulsar::producer::Message {
+        payload: n.to_string().into_bytes(),
+        partition_key: Some(format!("key-{}", n % keys)),
+        ..Default::default()
+    })
+}
+
+/// The number a message of [`keyed_messages`] carries.
+pub fn payload_number(message: &pulsar_dispatcher::Message) -> usize {
+    String::from_utf8_lossy(message.payload())
+        .parse()
+        .expect("a numbered payload")
+}
+
 /// Runs `dispatcher` in a task of its own on the current `LocalSet`.
 pub fn start(
     dispatcher: &std::rc::Rc<pulsar_dispatcher::Dispatcher>,
