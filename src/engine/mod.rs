@@ -351,6 +351,7 @@ impl<T: Transport> Engine<T> {
         for &index in &indices {
             let subscription = self.subscriptions.borrow().get(index).cloned();
             if let Some(subscription) = subscription {
+                subscription.unlist();
                 self.refill(&subscription);
             }
         }

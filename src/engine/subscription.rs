@@ -216,6 +216,14 @@ impl<T: Transport> Subscription<T> {
         self.waker.wake_by_ref();
     }
 
+    /// Takes the subscription off the woken list's books, before its
+    /// consumer is polled for a wake-up: a wake-up during or after that poll
+    /// lists it again. (A poll for any other reason leaves the books alone:
+    /// a subscription still listed is polled again when the list is taken.)
+    pub(crate) fn unlist(&self) {
+        self.waker_state.unlist();
+    }
+
     /// Polls the consumer once, with the subscription's own waker, unless a
     /// failed receive is waiting to be retried.
     pub(crate) fn receive(&self) -> Received {
@@ -224,7 +232,6 @@ impl<T: Transport> Subscription<T> {
                 return Received::Nothing;
             }
         }
-        self.waker_state.unlist();
         let mut cx = Context::from_waker(&self.waker);
         let polled = match self.consumer.borrow_mut().as_mut() {
             Some(consumer) => consumer.poll_receive(&mut cx),
