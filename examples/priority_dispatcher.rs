@@ -46,12 +46,18 @@ struct ServiceUnavailable;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,pulsar=error,pulsar_dispatcher=error".into()),
-        )
-        .init();
+    // Logs go to the file DEMO_LOG names, or to stderr: never into the table.
+    let logs = tracing_subscriber::fmt().with_env_filter(
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| "warn,pulsar=error,pulsar_dispatcher=error".into()),
+    );
+    match std::env::var_os("DEMO_LOG") {
+        Some(path) => logs
+            .with_ansi(false)
+            .with_writer(std::sync::Mutex::new(std::fs::File::create(path)?))
+            .init(),
+        None => logs.with_writer(std::io::stderr).init(),
+    }
     let url = std::env::var("PULSAR_URL").unwrap_or_else(|_| "pulsar://127.0.0.1:6650".into());
     let demo_messages: Option<usize> = std::env::var("DEMO_MESSAGES")
         .ok()
