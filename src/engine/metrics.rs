@@ -7,6 +7,10 @@
 //! histograms are recorded per message, and only when timings are on.
 //! Handles are registered when a subscription is made (or changes
 //! priority), so a recorder must be installed before that.
+//!
+//! A priority change starts new series (the priority is a label): the old
+//! ones keep what happened at the old priority, and the new ones count from
+//! zero, so that summing over priorities gives the subscription's totals.
 
 use metrics::{Counter, Gauge, Histogram, Label};
 
@@ -22,6 +26,9 @@ pub(crate) const HANDLER_DURATION: &str = "pulsar_dispatcher_handler_duration_se
 /// The handles of one subscription's metrics.
 pub(crate) struct SubscriptionMetrics {
     counters: Vec<Counter>,
+    /// The counts when these series started (non-zero after a priority
+    /// change).
+    baseline: Vec<u64>,
     in_flight: Gauge,
     slot_occupied: Gauge,
     pub(crate) slot_wait: Histogram,
@@ -31,7 +38,13 @@ pub(crate) struct SubscriptionMetrics {
 impl SubscriptionMetrics {
     /// Registers the metrics of a subscription, labelled with its topic,
     /// subscription name and priority.
-    pub(crate) fn register(topic: &str, subscription: Option<&str>, priority: i64) -> Self {
+    /// `baseline` holds the counts the new series start from, if any.
+    pub(crate) fn register(
+        topic: &str,
+        subscription: Option<&str>,
+        priority: i64,
+        baseline: Option<&SubscriptionStats>,
+    ) -> Self {
         let labels = [
             Label::new("topic", topic.to_owned()),
             Label::new("subscription", subscription.unwrap_or("").to_owned()),
@@ -41,8 +54,13 @@ impl SubscriptionMetrics {
             .counter_values()
             .map(|(name, _)| metrics::counter!(name, labels.iter()))
             .collect();
+        let baseline = match baseline {
+            Some(stats) => stats.counter_values().map(|(_, value)| value).collect(),
+            None => vec![0; SubscriptionStats::default().counter_values().count()],
+        };
         SubscriptionMetrics {
             counters,
+            baseline,
             in_flight: metrics::gauge!(IN_FLIGHT, labels.iter()),
             slot_occupied: metrics::gauge!(SLOT_OCCUPIED, labels.iter()),
             slot_wait: metrics::histogram!(SLOT_WAIT, labels.iter()),
@@ -52,8 +70,9 @@ impl SubscriptionMetrics {
 
     /// Publishes a snapshot of the subscription.
     pub(crate) fn publish(&self, stats: &SubscriptionStats) {
-        for (counter, (_, value)) in self.counters.iter().zip(stats.counter_values()) {
-            counter.absolute(value);
+        let counts = stats.counter_values().zip(&self.baseline);
+        for (counter, ((_, value), base)) in self.counters.iter().zip(counts) {
+            counter.absolute(value.saturating_sub(*base));
         }
         self.in_flight.set(stats.in_flight as f64);
         self.slot_occupied.set(stats.waiting as f64);

@@ -211,10 +211,11 @@ impl<T: Transport> Engine<T> {
         let Some(subscription) = self.subscription(id) else {
             return false;
         };
+        let before = self.stats_of(&subscription);
         self.scheduler
             .borrow_mut()
             .set_priority(subscription.key, priority);
-        subscription.relabel(priority);
+        subscription.relabel(priority, &before);
         // A message it holds may now be the best: whoever dispatches next
         // will see it.
         self.woken.wake_engine();

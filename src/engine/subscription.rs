@@ -171,6 +171,7 @@ impl<T: Transport> Subscription<T> {
                 &info_topic,
                 info_subscription.as_deref(),
                 spec.scheduling.priority,
+                None,
             )),
             timings: timings.then(Timings::default),
             last_received: Cell::new((0, None)),
@@ -426,12 +427,16 @@ impl<T: Transport> Subscription<T> {
         }
     }
 
-    /// Registers its metrics again, labelled with `priority`.
-    pub(crate) fn relabel(&self, priority: i64) {
-        *self.metrics.borrow_mut() = SubscriptionMetrics::register(
+    /// Registers its metrics again, labelled with its new `priority`,
+    /// after publishing `stats` (taken before the change) to the old ones.
+    pub(crate) fn relabel(&self, priority: i64, stats: &SubscriptionStats) {
+        let mut metrics = self.metrics.borrow_mut();
+        metrics.publish(stats);
+        *metrics = SubscriptionMetrics::register(
             &self.info.topic,
             self.info.subscription.as_deref(),
             priority,
+            Some(stats),
         );
     }
 

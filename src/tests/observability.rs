@@ -273,3 +273,54 @@ fn handlers_and_settlement_run_inside_a_span_per_message() {
         );
     });
 }
+
+#[test]
+fn a_priority_change_starts_new_series_that_count_from_zero() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let jobs = dispatcher
+            .subscribe("jobs", outcome_by_payload, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        for _ in 0..2 {
+            transport.send("jobs", "ok");
+        }
+        transport.wait_acked("jobs", 2).await;
+        jobs.set_priority(5).unwrap();
+        for _ in 0..3 {
+            transport.send("jobs", "ok");
+        }
+        transport.wait_acked("jobs", 5).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+    let succeeded: Vec<(String, DebugValue)> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| key.key().name() == "pulsar_dispatcher_messages_succeeded_total")
+        .map(|(key, _, _, value)| {
+            let priority = key
+                .key()
+                .labels()
+                .find(|label| label.key() == "priority")
+                .map(|label| label.value().to_owned())
+                .unwrap();
+            (priority, value)
+        })
+        .collect();
+    let at = |priority: &str| {
+        succeeded
+            .iter()
+            .find(|(p, _)| p == priority)
+            .map(|(_, value)| value)
+            .unwrap_or_else(|| panic!("no series at priority {priority}: {succeeded:?}"))
+    };
+    assert_eq!(*at("1"), DebugValue::Counter(2));
+    assert_eq!(*at("5"), DebugValue::Counter(3));
+}
