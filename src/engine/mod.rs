@@ -14,10 +14,12 @@
 //!    the outcome, settles it on the consumer, returns the permit and
 //!    dispatches again, often to itself.
 //!
-//! The engine task (`drive`) does only what nobody else is there to do:
-//! poll consumers that woke while every worker was idle, send held nacks
-//! when they are due, and walk shutdown's phases. Everything is on one
-//! thread; no `RefCell` borrow is held across an `.await`.
+//! The engine task (`lifecycle`) does only what nobody else is there to
+//! do: poll consumers that woke while every worker was idle, keep the one
+//! timer (held nacks, receive retries, the shutdown deadline, publishing
+//! metrics), and walk shutdown's phases. Subscribing and unsubscribing
+//! (`registry`) happen beside it, at any time. Everything is on one thread;
+//! no `RefCell` borrow is held across an `.await`.
 
 mod health;
 mod lifecycle;
