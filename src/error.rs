@@ -40,6 +40,13 @@ pub enum TransportError {
     /// The `pulsar` crate reported an error.
     #[error(transparent)]
     Pulsar(#[from] pulsar::Error),
+    /// A consumer's stream ended (the `pulsar` crate gave up on its
+    /// connection); the consumer is being subscribed again.
+    #[error("the consumer of {topic} ended; subscribing it again")]
+    Resubscribing {
+        /// The topic (or partition) of the consumer.
+        topic: String,
+    },
     /// The transport, or the consumer, has been closed.
     #[error("the transport is closed")]
     Closed,

@@ -20,6 +20,7 @@
 
 mod memory;
 mod nodelay;
+mod partition;
 mod pulsar;
 mod settlement;
 

@@ -11,8 +11,64 @@
 //! file descriptors by their peer address and sets `TCP_NODELAY` on them.
 //! This needs Linux's `/proc/self/fd`; elsewhere it does nothing.
 
+use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// The broker addresses this transport talks to, and when their sockets
+/// were last checked for Nagle's algorithm (see `nodelay`).
+#[derive(Default)]
+pub(super) struct BrokerSockets {
+    peers: RefCell<HashSet<SocketAddr>>,
+    last_check: Cell<Option<Instant>>,
+    /// Messages received by every consumer of the transport.
+    received: Cell<u64>,
+}
+
+/// How often a consumer that is receiving looks again, so that a connection
+/// the crate re-establishes after a failure also gets Nagle's algorithm off.
+const NODELAY_RECHECK: Duration = Duration::from_secs(10);
+
+/// Received messages between two looks at the clock for [`NODELAY_RECHECK`].
+const NODELAY_RECHECK_EVERY: u64 = 256;
+
+impl BrokerSockets {
+    pub(super) async fn add(&self, host: Option<&str>, port: Option<u16>) {
+        let (Some(host), Some(port)) = (host, port) else {
+            return;
+        };
+        if let Ok(addresses) = tokio::net::lookup_host((host, port)).await {
+            self.peers.borrow_mut().extend(addresses);
+        }
+    }
+
+    pub(super) fn disable_nagle(&self) {
+        self.last_check.set(Some(Instant::now()));
+        let changed = disable_nagle(&self.peers.borrow());
+        if changed > 0 {
+            tracing::debug!(changed, "TCP_NODELAY set on broker connections");
+        }
+    }
+
+    /// Called for every message received; looks at the clock only every
+    /// [`NODELAY_RECHECK_EVERY`] messages, as reading it costs more than the
+    /// rest of this bookkeeping.
+    pub(super) fn recheck_if_due(&self) {
+        let received = self.received.get().wrapping_add(1);
+        self.received.set(received);
+        if received % NODELAY_RECHECK_EVERY != 0 {
+            return;
+        }
+        if self
+            .last_check
+            .get()
+            .is_none_or(|last| last.elapsed() >= NODELAY_RECHECK)
+        {
+            self.disable_nagle();
+        }
+    }
+}
 
 /// Sets `TCP_NODELAY` on every TCP connection of this process whose peer is
 /// one of `peers`, and returns how many connections were changed.

@@ -1,10 +1,11 @@
 //! The transport over the `pulsar` crate.
 //!
 //! One `pulsar::Consumer` per partition of a subscription's topic (one for a
-//! topic that is not partitioned), so that every message is settled on the
-//! partition it came from and every partition can be drained and closed on
-//! its own. The crate's acks and nacks only queue a command for the
-//! consumer's engine task, so settling is synchronous here. Producers wrap the crate's
+//! topic that is not partitioned; see `partition`), so that every message is
+//! settled on the partition it came from and every partition can be drained,
+//! closed or subscribed again on its own. The crate's acks and nacks only
+//! queue a command for the consumer's engine task, so settling is
+//! synchronous here. Producers wrap the crate's
 //! `Producer` in an async mutex held only while a message is handed over,
 //! not while its receipt is awaited, so concurrent sends to one topic
 //! pipeline. The crate runs its connection tasks with `tokio::spawn`, which
@@ -18,18 +19,15 @@
 //! and nacks it (redelivering the whole batch) otherwise.
 
 use std::cell::RefCell;
-use std::collections::HashSet;
-use std::net::SocketAddr;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
-
 use std::task::{Context, Poll};
+use std::time::Instant;
 
-use futures::{FutureExt, StreamExt};
 use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
 
-use super::nodelay::disable_nagle;
+use super::nodelay::BrokerSockets;
+use super::partition::{Partition, Subscriber};
 use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks};
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
 use crate::message::{Message, MessageId};
@@ -77,48 +75,6 @@ impl PulsarTransport {
     }
 }
 
-impl PulsarTransport {
-    /// One partition's consumer (or the whole topic's, when it is not
-    /// partitioned).
-    async fn partition_consumer(
-        &self,
-        client: &Pulsar<TokioExecutor>,
-        topic: &str,
-        spec: &ConsumerSpec,
-    ) -> Result<pulsar::Consumer<Vec<u8>, TokioExecutor>, TransportError> {
-        let mut consumer_options = spec.consumer_options.clone();
-        consumer_options.receiver_queue_size = Some(spec.receiver_queue_size);
-        let mut builder = client
-            .consumer()
-            .with_topic(topic)
-            .with_subscription_type(spec.subscription_type)
-            .with_batch_size(spec.receiver_queue_size)
-            .with_options(consumer_options)
-            .with_unacked_message_resend_delay(spec.unacked_message_resend_delay);
-        if let Some(name) = &spec.subscription {
-            builder = builder.with_subscription(name);
-        }
-        if let Some(name) = &spec.consumer_name {
-            builder = builder.with_consumer_name(name);
-        }
-        if let Some(policy) = &spec.dead_letter_policy {
-            builder = builder.with_dead_letter_policy(policy.clone());
-        }
-        // Boxed: the crate's futures are large (in debug builds, hundreds of
-        // kilobytes), and every future holding one inline would be too.
-        let consumer = Box::pin(builder.build()).await?;
-        // The broker's address comes from a lookup through the client, not
-        // from the consumer: asking the consumer's engine would wait behind
-        // messages it cannot hand over until somebody receives them.
-        if let Ok(broker) = client.lookup_topic(topic).await {
-            self.brokers
-                .add(broker.url.host_str(), broker.url.port())
-                .await;
-        }
-        Ok(consumer)
-    }
-}
-
 impl Transport for PulsarTransport {
     type Consumer = PulsarConsumer;
     type Producer = PulsarProducer;
@@ -134,20 +90,18 @@ impl Transport for PulsarTransport {
             0 => vec![topic.to_owned()],
             n => (0..n).map(|i| format!("{topic}-partition-{i}")).collect(),
         };
-        let built = futures::future::join_all(
-            names
-                .iter()
-                .map(|name| self.partition_consumer(&client, name, spec)),
-        )
-        .await;
+        let subscriber = Rc::new(Subscriber {
+            client,
+            spec: spec.clone(),
+            brokers: self.brokers.clone(),
+        });
+        let built =
+            futures::future::join_all(names.iter().map(|name| subscriber.subscribe(name))).await;
         let mut partitions = Vec::with_capacity(built.len());
         let mut failure = None;
-        for (name, result) in names.into_iter().zip(built) {
+        for (name, result) in names.iter().zip(built) {
             match result {
-                Ok(consumer) => partitions.push(Partition {
-                    consumer,
-                    topic: Rc::from(name),
-                }),
+                Ok(consumer) => partitions.push(Partition::new(name, consumer, subscriber.clone())),
                 Err(error) => failure = failure.or(Some(error)),
             }
         }
@@ -222,74 +176,6 @@ impl std::fmt::Debug for PulsarConsumer {
     }
 }
 
-/// One partition (or a whole non-partitioned topic) and its consumer.
-struct Partition {
-    consumer: pulsar::Consumer<Vec<u8>, TokioExecutor>,
-    /// The partition's own topic name, shared by every message from it.
-    topic: Rc<str>,
-}
-
-/// The broker addresses this transport talks to, and when their sockets
-/// were last checked for Nagle's algorithm (see `nodelay`).
-#[derive(Default)]
-struct BrokerSockets {
-    peers: RefCell<HashSet<SocketAddr>>,
-    last_check: std::cell::Cell<Option<Instant>>,
-    /// Messages received by every consumer of the transport.
-    received: std::cell::Cell<u64>,
-}
-
-/// How long closing a consumer may take before the consumer is dropped.
-const CONSUMER_CLOSE_LIMIT: Duration = Duration::from_secs(10);
-
-/// How long one attempt to reach a consumer's engine waits before the
-/// consumer's message channel is emptied again.
-const ENGINE_ROUND_TRIP_ATTEMPT: Duration = Duration::from_millis(200);
-
-/// How often a consumer that is receiving looks again, so that a connection
-/// the crate re-establishes after a failure also gets Nagle's algorithm off.
-const NODELAY_RECHECK: Duration = Duration::from_secs(10);
-
-/// Received messages between two looks at the clock for [`NODELAY_RECHECK`].
-const NODELAY_RECHECK_EVERY: u64 = 256;
-
-impl BrokerSockets {
-    async fn add(&self, host: Option<&str>, port: Option<u16>) {
-        let (Some(host), Some(port)) = (host, port) else {
-            return;
-        };
-        if let Ok(addresses) = tokio::net::lookup_host((host, port)).await {
-            self.peers.borrow_mut().extend(addresses);
-        }
-    }
-
-    fn disable_nagle(&self) {
-        self.last_check.set(Some(Instant::now()));
-        let changed = disable_nagle(&self.peers.borrow());
-        if changed > 0 {
-            tracing::debug!(changed, "TCP_NODELAY set on broker connections");
-        }
-    }
-
-    /// Called for every message received; looks at the clock only every
-    /// [`NODELAY_RECHECK_EVERY`] messages, as reading it costs more than the
-    /// rest of this bookkeeping.
-    fn recheck_if_due(&self) {
-        let received = self.received.get().wrapping_add(1);
-        self.received.set(received);
-        if received % NODELAY_RECHECK_EVERY != 0 {
-            return;
-        }
-        if self
-            .last_check
-            .get()
-            .is_none_or(|last| last.elapsed() >= NODELAY_RECHECK)
-        {
-            self.disable_nagle();
-        }
-    }
-}
-
 impl PulsarConsumer {
     /// The next message of any partition, trying each in turn from where the
     /// last receive stopped.
@@ -335,14 +221,13 @@ impl PulsarConsumer {
         let count = self.partitions.len();
         for step in 0..count {
             let index = (self.next_partition + step) % count;
-            match self.partitions[index].consumer.poll_next_unpin(cx) {
+            match self.partitions[index].poll_next(cx) {
                 Poll::Pending => continue,
-                // One partition's stream ending ends the consumer: the
-                // dispatcher reports it rather than carry on with part of
-                // the topic.
-                Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error.into()))),
-                Poll::Ready(Some(Ok(received))) => {
+                Poll::Ready(Err(error)) => {
+                    self.next_partition = (index + 1) % count;
+                    return Poll::Ready(Some(Err(error)));
+                }
+                Poll::Ready(Ok(received)) => {
                     self.next_partition = (index + 1) % count;
                     return Poll::Ready(Some(Ok(self.convert(index, received))));
                 }
@@ -403,23 +288,14 @@ impl PulsarConsumer {
     }
 
     fn send_settlement(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
-        let partition = self.partition_of(id)?;
-        let topic = &partition.topic;
-        let raw = id.0.clone();
-        // The crate's ack and nack only queue a command on an unbounded
-        // channel to the consumer's engine: they complete on the first poll.
-        let queued = if succeeded {
-            partition.consumer.ack_with_id(topic, raw).now_or_never()
-        } else {
-            partition.consumer.nack_with_id(topic, raw).now_or_never()
-        };
-        match queued {
-            Some(result) => Ok(result?),
-            None => Err(TransportError::Pulsar(pulsar::Error::Custom(
-                "the consumer's engine did not take the settlement at once".into(),
-            ))),
-        }
+        self.partition_of(id)?.settle(id.0.clone(), succeeded)
     }
+}
+
+/// Closes every partition's consumer, all at once.
+async fn close_partitions(partitions: &mut [Partition]) -> Result<(), TransportError> {
+    let closed = futures::future::join_all(partitions.iter_mut().map(Partition::close)).await;
+    closed.into_iter().collect()
 }
 
 impl Consumer for PulsarConsumer {
@@ -448,56 +324,6 @@ impl Consumer for PulsarConsumer {
 
     fn redelivered_after_ack(&self) -> u64 {
         self.recent_acks.recognised
-    }
-}
-
-/// Closes every partition's consumer, all at once.
-async fn close_partitions(partitions: &mut [Partition]) -> Result<(), TransportError> {
-    let closed = futures::future::join_all(
-        partitions
-            .iter_mut()
-            .map(|p| close_consumer(&mut p.consumer)),
-    )
-    .await;
-    closed.into_iter().collect()
-}
-
-/// Closes one crate consumer once every ack and nack sent to it has been
-/// handed to its connection.
-///
-/// The crate's consumer engine handles messages from the broker, acks,
-/// nacks and requests in one queue, and hands messages over through a
-/// bounded channel: while the channel is full, the engine waits and
-/// everything queued behind the message waits with it. Nothing receives any
-/// more at this point, so the channel is emptied (those messages were never
-/// handled, and the broker redelivers them) before each attempt to reach the
-/// engine. A round trip through the engine's queue proves that the acks and
-/// nacks queued before it were passed on; then the consumer is closed. If
-/// the engine cannot be reached in time, the consumer is dropped, which also
-/// closes it on the broker once its engine stops.
-async fn close_consumer(
-    consumer: &mut pulsar::Consumer<Vec<u8>, TokioExecutor>,
-) -> Result<(), TransportError> {
-    let deadline = tokio::time::Instant::now() + CONSUMER_CLOSE_LIMIT;
-    let mut settled = false;
-    while !settled && tokio::time::Instant::now() < deadline {
-        while let Some(Some(_)) = consumer.next().now_or_never() {}
-        settled = tokio::time::timeout(ENGINE_ROUND_TRIP_ATTEMPT, consumer.connections())
-            .await
-            .is_ok_and(|reached| reached.is_ok());
-    }
-    let over_limit = || {
-        TransportError::Pulsar(pulsar::Error::Custom(format!(
-            "closing the consumer took over {CONSUMER_CLOSE_LIMIT:?}"
-        )))
-    };
-    if !settled {
-        return Err(over_limit());
-    }
-    while let Some(Some(_)) = consumer.next().now_or_never() {}
-    match tokio::time::timeout_at(deadline, consumer.close()).await {
-        Ok(closed) => Ok(closed?),
-        Err(_) => Err(over_limit()),
     }
 }
 

@@ -3,10 +3,13 @@
 //!
 //! Installs what is missing (protoc, the Python virtualenv with the Python
 //! original), starts a broker unless one answers, and runs the comparison
-//! bench (`cargo bench --bench report`), which measures ours, the
-//! `spawn_local` floor, the multi-threaded port and the Python original in
-//! memory and on the broker, prints a table and writes
-//! `target/bench-report.json`. With `--criterion` it then runs the criterion
+//! bench (`cargo bench --bench report`), which measures ours against the
+//! `spawn_local` floor, a plain receive-handle-ack loop, the multi-threaded
+//! port and the Python original in memory (CPU and wall time per message,
+//! open-loop latency, priority inversions, one dispatcher per core) and on
+//! the broker (client CPU, rate, allocations and latency against a plain
+//! `pulsar` loop and the Python original), prints a table of the targets
+//! and writes `target/bench-report.json`. With `--criterion` it then runs the criterion
 //! suites (`cargo bench --bench dispatch`), whose HTML reports land in
 //! `target/criterion/`. Stops the broker if it started one.
 

@@ -109,8 +109,6 @@ pub fn version(addr: &BrokerAddr) -> Option<String> {
 /// the admin API at `web`. `topic` is `name` (in `public/default`),
 /// `tenant/namespace/name` or `persistent://tenant/namespace/name`. A topic
 /// that already exists (HTTP 409) is fine if it has that many partitions.
-// Used by `cargo xtask demo` once it sets up the demo's topics itself.
-#[allow(dead_code)]
 pub fn create_partitioned_topic(
     web: &Endpoint,
     topic: &str,
@@ -194,7 +192,7 @@ fn topic_path(topic: &str) -> Result<String, String> {
 /// The unsigned integer value of the top-level-looking field `"name"` in a
 /// small JSON object such as `{"partitions":3}` (enough for the admin API's
 /// answers without a JSON library).
-fn json_u64_field(json: &str, name: &str) -> Option<u64> {
+pub fn json_u64_field(json: &str, name: &str) -> Option<u64> {
     let key = format!("\"{name}\"");
     let after = &json[json.find(&key)? + key.len()..];
     let value = after.trim_start().strip_prefix(':')?.trim_start();
@@ -223,6 +221,26 @@ impl StartedBroker {
     /// Stops the broker and waits for the process to exit.
     pub fn stop(mut self) -> Result<(), String> {
         self.stop_inner()
+    }
+
+    /// The broker's process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Kills the broker with SIGKILL, as a crash would (no shutdown hook
+    /// runs), waits for the process to exit and removes its pid file, so
+    /// that [`start`] can run a new broker on the same data directory.
+    pub fn kill(mut self) -> Result<(), String> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        let killed = child
+            .kill()
+            .and_then(|()| child.wait())
+            .map_err(|e| format!("killing the broker (pid {}): {e}", self.pid));
+        let _ = fs::remove_file(&self.pid_file);
+        killed.map(|_| ())
     }
 
     fn stop_inner(&mut self) -> Result<(), String> {
@@ -281,7 +299,9 @@ pub fn ensure_running(paths: &Paths, addr: &BrokerAddr) -> Result<Option<Started
     start(paths, addr).map(Some)
 }
 
-fn start(paths: &Paths, addr: &BrokerAddr) -> Result<StartedBroker, String> {
+/// Starts the standalone broker at `addr` and waits until it answers
+/// (`ensure_running` first checks that none answers there already).
+pub fn start(paths: &Paths, addr: &BrokerAddr) -> Result<StartedBroker, String> {
     // (The in-process bookie takes an ephemeral port of its own.)
     for (port, what) in [
         (addr.service.port, "broker service (PULSAR_URL)"),
@@ -582,7 +602,10 @@ fn write_effective_config(paths: &Paths, addr: &BrokerAddr) -> Result<PathBuf, S
          brokerServicePort={}\nwebServicePort={}\n",
         addr.service.port, addr.web.port
     ));
-    let out = paths.target.join("pulsar-standalone.conf");
+    let out = paths.effective_conf.clone();
+    if let Some(dir) = out.parent() {
+        fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    }
     fs::write(&out, conf).map_err(|e| format!("writing {}: {e}", out.display()))?;
     Ok(out)
 }

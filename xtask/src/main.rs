@@ -6,6 +6,7 @@
 
 mod bench;
 mod broker;
+mod chaos;
 mod http;
 mod setup;
 
@@ -22,17 +23,29 @@ commands:
   test [ARGS...]   install what is missing (protoc, Python venv, broker jars), start a
                    Pulsar broker unless one answers, run every test
                    (`cargo test --workspace --all-targets --no-fail-fast`, then
-                   `cargo test --workspace --doc`), stop the broker it started.
-                   With ARGS, runs `cargo test ARGS` instead of both
+                   `cargo test --workspace --doc`, then the quick fault-injection
+                   suite `chaos --quick`), stop the broker it started.
+                   With ARGS, runs `cargo test ARGS` instead of all three
                    (e.g. `cargo xtask test --test smoke_pulsar`).
   lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings
-  demo [priority]  start a broker if needed and run `cargo run --example simple_dispatcher`
-                   (or `priority_dispatcher`) with DEMO_MESSAGES messages of traffic
+  demo [priority|observability]
+                   start a broker if needed and run `cargo run --example simple_dispatcher`
+                   (or `priority_dispatcher`, or `observability`) with DEMO_MESSAGES
+                   messages of traffic (default 30); the dispatcher's log goes to
+                   target/demo-<example>.log
   bench [--quick] [--criterion]
                    start a broker if needed and run the benchmark comparison
                    (`cargo bench --bench report`): table on stdout, figures in
                    target/bench-report.json; --quick takes fewer samples;
                    --criterion also runs the criterion suites (`--bench dispatch`)
+  chaos [--quick] [--only NAME,..] [--debug]
+                   start a broker if needed and run the fault-injection suite
+                   (mixed, sigkill, close, broker-kill, hung, memory): a table of
+                   produced, handled, acked, dead-lettered, lost and duplicated
+                   messages; fails if one is lost, duplicated after a graceful
+                   close, or close_within(d) takes more than d + 1 s. broker-kill
+                   runs only when this command started the broker. --quick: the
+                   first three with 3,000 messages each; --debug: a debug build
   broker start     start the standalone broker (returns once it answers)
   broker stop      stop the broker that `broker start` started
   broker status    tell whether a broker answers (exit code 0) or not (1)
@@ -44,6 +57,8 @@ environment:
   PULSAR_JAVA_OPTS           extra JVM options for the broker
   XTASK_TEST_TIMEOUT_SECS    limit for each `cargo test` run of `cargo xtask test` (default 2400)
   JAVA_HOME                  Java 17+ to run the broker with (default: `java` on PATH)
+  XTASK_BROKER_DIR           where a broker xtask starts keeps its pid file, log, data and
+                             config (default target/), e.g. for a second broker on other ports
 ";
 
 /// Upper bound for one `cargo test` run (build included), so that a hung
@@ -57,6 +72,8 @@ pub struct Paths {
     pub pid_file: PathBuf,
     pub log_file: PathBuf,
     pub data_dir: PathBuf,
+    /// tests/broker/standalone.conf with the ports xtask was asked for.
+    pub effective_conf: PathBuf,
     pub broker_pom: PathBuf,
     pub broker_conf: PathBuf,
 }
@@ -68,10 +85,16 @@ impl Paths {
             .expect("xtask lives inside the workspace")
             .to_path_buf();
         let target = root.join("target");
+        // The broker's own files: in target/ unless XTASK_BROKER_DIR names
+        // another directory (for a second broker beside the usual one).
+        let state = std::env::var_os("XTASK_BROKER_DIR")
+            .filter(|dir| !dir.is_empty())
+            .map_or_else(|| target.clone(), |dir| root.join(dir));
         Paths {
-            pid_file: target.join("pulsar.pid"),
-            log_file: target.join("pulsar.log"),
-            data_dir: target.join("pulsar-data"),
+            pid_file: state.join("pulsar.pid"),
+            log_file: state.join("pulsar.log"),
+            data_dir: state.join("pulsar-data"),
+            effective_conf: state.join("pulsar-standalone.conf"),
             broker_pom: root.join("tests/broker/pom.xml"),
             broker_conf: root.join("tests/broker/standalone.conf"),
             root,
@@ -207,6 +230,7 @@ fn main() -> ExitCode {
         Some("test") => cmd_test(&paths, &args[1..]),
         Some("lint") => cmd_lint(&paths),
         Some("bench") => bench::cmd_bench(&paths, &args[1..]),
+        Some("chaos") => chaos::cmd_chaos(&paths, &args[1..]),
         Some("demo") => cmd_demo(&paths, args.get(1).map(String::as_str)),
         Some("broker") => match args.get(1).map(String::as_str) {
             Some("start") => cmd_broker_start(&paths),
@@ -337,6 +361,16 @@ fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
             Ok(_) => failures.push("cargo test --workspace --doc".to_string()),
             Err(e) => failures.push(e),
         }
+        // The no-loss contract under faults, on every change.
+        info("running the quick fault-injection suite (cargo xtask chaos --quick)");
+        let begun = Instant::now();
+        if let Err(e) = chaos::run_quick(paths, &addr) {
+            failures.push(e);
+        }
+        info(&format!(
+            "quick fault-injection suite finished in {:.0} s",
+            begun.elapsed().as_secs_f64()
+        ));
     }
 
     if let Some(started) = started {
@@ -382,26 +416,43 @@ fn cmd_lint(paths: &Paths) -> Result<(), String> {
     }
 }
 
+/// The partitioned topic of the default demo (`examples/simple_dispatcher.rs`)
+/// and its partition count: created before the example runs, as operators do.
+const DEMO_PARTITIONED_TOPIC: (&str, u32) = ("demo-orders", 3);
+
 fn cmd_demo(paths: &Paths, which: Option<&str>) -> Result<(), String> {
     let example = match which {
         None | Some("simple") => "simple_dispatcher",
         Some("priority") => "priority_dispatcher",
+        Some("observability") => "observability",
         Some(other) => {
             return Err(format!(
-                "unknown demo {other:?}: try `simple` or `priority`"
+                "unknown demo {other:?}: try `simple`, `priority` or `observability`"
             ))
         }
     };
     setup::ensure_protoc()?;
     let addr = BrokerAddr::from_env()?;
     let started = broker::ensure_running(paths, &addr)?;
+    if example == "simple_dispatcher" {
+        let (topic, partitions) = DEMO_PARTITIONED_TOPIC;
+        if let Err(e) = broker::create_partitioned_topic(&addr.web, topic, partitions) {
+            info(&format!(
+                "could not create the demo's partitioned topic; the demo runs with `{topic}` as \
+                 it is: {e}"
+            ));
+        }
+    }
     let messages = std::env::var("DEMO_MESSAGES").unwrap_or_else(|_| "30".into());
+    let log = paths.target.join(format!("demo-{example}.log"));
     let mut run = cargo();
     run.args(["run", "--example", example])
         .current_dir(&paths.root)
         .env("PULSAR_URL", &addr.service_url)
         .env("PULSAR_WEB_URL", &addr.web_url)
-        .env("DEMO_MESSAGES", messages);
+        .env("DEMO_MESSAGES", messages)
+        .env("DEMO_LOG", &log);
+    info(&format!("running examples/{example}.rs"));
     let status = run_status(&mut run);
     if let Some(started) = started {
         started.stop()?;

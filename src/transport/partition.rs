@@ -1,0 +1,237 @@
+//! One partition of a subscription's topic (or a whole topic that is not
+//! partitioned) and its `pulsar` crate consumer: creating it, creating it
+//! again when its stream ends, settling on it, and closing it without
+//! losing what was settled.
+//!
+//! The crate's consumer reconnects by itself after most connection
+//! failures, but gives up on some (a connection reset while the broker
+//! dies, for one): its stream then ends for good. A partition whose stream
+//! ends subscribes again, retrying until it succeeds, and reports a receive
+//! error meanwhile, so the dispatcher's `receive_failure_limit` bounds how
+//! long that may take. Settlements made in between are kept and sent on the
+//! new consumer.
+
+use std::rc::Rc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::future::LocalBoxFuture;
+use futures::{FutureExt, StreamExt};
+use pulsar::proto::MessageIdData;
+use pulsar::{Pulsar, TokioExecutor};
+use tracing::{info, warn};
+
+use super::nodelay::BrokerSockets;
+use super::{ConsumerSpec, TransportError};
+
+/// The crate's consumer of one partition.
+pub(super) type CrateConsumer = pulsar::Consumer<Vec<u8>, TokioExecutor>;
+
+/// How long closing a consumer may take before the consumer is dropped.
+const CONSUMER_CLOSE_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long one attempt to reach a consumer's engine waits before the
+/// consumer's message channel is emptied again.
+const ENGINE_ROUND_TRIP_ATTEMPT: Duration = Duration::from_millis(200);
+
+/// How long a failed attempt to subscribe a partition again waits before
+/// the next.
+const RESUBSCRIBE_RETRY: Duration = Duration::from_secs(1);
+
+/// What it takes to subscribe a partition: the client, the subscription's
+/// spec, and the broker sockets to turn Nagle's algorithm off on.
+pub(super) struct Subscriber {
+    pub(super) client: Pulsar<TokioExecutor>,
+    pub(super) spec: ConsumerSpec,
+    pub(super) brokers: Rc<BrokerSockets>,
+}
+
+impl Subscriber {
+    /// A consumer of `topic` (one partition, or a topic that is not
+    /// partitioned) as the spec says.
+    pub(super) async fn subscribe(&self, topic: &str) -> Result<CrateConsumer, TransportError> {
+        let spec = &self.spec;
+        let mut consumer_options = spec.consumer_options.clone();
+        consumer_options.receiver_queue_size = Some(spec.receiver_queue_size);
+        let mut builder = self
+            .client
+            .consumer()
+            .with_topic(topic)
+            .with_subscription_type(spec.subscription_type)
+            .with_batch_size(spec.receiver_queue_size)
+            .with_options(consumer_options)
+            .with_unacked_message_resend_delay(spec.unacked_message_resend_delay);
+        if let Some(name) = &spec.subscription {
+            builder = builder.with_subscription(name);
+        }
+        if let Some(name) = &spec.consumer_name {
+            builder = builder.with_consumer_name(name);
+        }
+        if let Some(policy) = &spec.dead_letter_policy {
+            builder = builder.with_dead_letter_policy(policy.clone());
+        }
+        // Boxed: the crate's futures are large (in debug builds, hundreds of
+        // kilobytes), and every future holding one inline would be too.
+        let consumer = Box::pin(builder.build()).await?;
+        // The broker's address comes from a lookup through the client, not
+        // from the consumer: asking the consumer's engine would wait behind
+        // messages it cannot hand over until somebody receives them.
+        if let Ok(broker) = self.client.lookup_topic(topic).await {
+            self.brokers
+                .add(broker.url.host_str(), broker.url.port())
+                .await;
+        }
+        Ok(consumer)
+    }
+}
+
+/// One partition and its consumer.
+pub(super) struct Partition {
+    /// The partition's own topic name, shared by every message from it.
+    pub(super) topic: Rc<str>,
+    state: State,
+    /// Settlements made while the consumer is being replaced: (id, ack?).
+    pending: Vec<(MessageIdData, bool)>,
+    subscriber: Rc<Subscriber>,
+}
+
+enum State {
+    Open(CrateConsumer),
+    Resubscribing(LocalBoxFuture<'static, Result<CrateConsumer, TransportError>>),
+}
+
+impl Partition {
+    pub(super) fn new(topic: &str, consumer: CrateConsumer, subscriber: Rc<Subscriber>) -> Self {
+        Partition {
+            topic: Rc::from(topic),
+            state: State::Open(consumer),
+            pending: Vec::new(),
+            subscriber,
+        }
+    }
+
+    /// The next message of this partition, a receive error, or `Pending`.
+    /// Never ends: a consumer whose stream ends is replaced (reported as an
+    /// error meanwhile).
+    pub(super) fn poll_next(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<pulsar::consumer::Message<Vec<u8>>, TransportError>> {
+        loop {
+            match &mut self.state {
+                State::Open(consumer) => {
+                    return match consumer.poll_next_unpin(cx) {
+                        Poll::Pending => Poll::Pending,
+                        Poll::Ready(Some(received)) => Poll::Ready(received.map_err(Into::into)),
+                        Poll::Ready(None) => {
+                            warn!(topic = %self.topic, "the consumer's stream ended (the `pulsar` crate gave up on its connection); subscribing again");
+                            self.resubscribe(Duration::ZERO);
+                            Poll::Ready(Err(TransportError::Resubscribing {
+                                topic: self.topic.to_string(),
+                            }))
+                        }
+                    };
+                }
+                State::Resubscribing(subscribing) => match subscribing.as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Ok(consumer)) => {
+                        info!(topic = %self.topic, "subscribed again");
+                        self.state = State::Open(consumer);
+                        self.send_pending();
+                    }
+                    Poll::Ready(Err(error)) => {
+                        self.resubscribe(RESUBSCRIBE_RETRY);
+                        return Poll::Ready(Err(error));
+                    }
+                },
+            }
+        }
+    }
+
+    fn resubscribe(&mut self, after: Duration) {
+        let (subscriber, topic) = (self.subscriber.clone(), self.topic.clone());
+        self.state = State::Resubscribing(Box::pin(async move {
+            tokio::time::sleep(after).await;
+            subscriber.subscribe(&topic).await
+        }));
+    }
+
+    /// Acks (or nacks) an entry; kept for the new consumer while the
+    /// partition is being subscribed again.
+    pub(super) fn settle(&mut self, id: MessageIdData, ack: bool) -> Result<(), TransportError> {
+        let State::Open(consumer) = &mut self.state else {
+            self.pending.push((id, ack));
+            return Ok(());
+        };
+        // The crate's ack and nack only queue a command on an unbounded
+        // channel to the consumer's engine: they complete on the first poll.
+        let queued = if ack {
+            consumer.ack_with_id(&self.topic, id).now_or_never()
+        } else {
+            consumer.nack_with_id(&self.topic, id).now_or_never()
+        };
+        match queued {
+            Some(result) => Ok(result?),
+            None => Err(TransportError::Pulsar(pulsar::Error::Custom(
+                "the consumer's engine did not take the settlement at once".into(),
+            ))),
+        }
+    }
+
+    fn send_pending(&mut self) {
+        for (id, ack) in std::mem::take(&mut self.pending) {
+            if let Err(error) = self.settle(id, ack) {
+                warn!(topic = %self.topic, %error, "settling on the new consumer failed");
+            }
+        }
+    }
+
+    /// Closes the consumer once every ack and nack sent to it has been
+    /// handed to its connection; a partition being subscribed again just
+    /// stops trying.
+    pub(super) async fn close(&mut self) -> Result<(), TransportError> {
+        match &mut self.state {
+            State::Open(consumer) => close_consumer(consumer).await,
+            State::Resubscribing(_) => Ok(()),
+        }
+    }
+}
+
+/// Closes one crate consumer once every ack and nack sent to it has been
+/// handed to its connection.
+///
+/// The crate's consumer engine handles messages from the broker, acks,
+/// nacks and requests in one queue, and hands messages over through a
+/// bounded channel: while the channel is full, the engine waits and
+/// everything queued behind the message waits with it. Nothing receives any
+/// more at this point, so the channel is emptied (those messages were never
+/// handled, and the broker redelivers them) before each attempt to reach the
+/// engine. A round trip through the engine's queue proves that the acks and
+/// nacks queued before it were passed on; then the consumer is closed. If
+/// the engine is gone, or cannot be reached in time, the consumer is
+/// dropped, which also closes it on the broker once its engine stops.
+async fn close_consumer(consumer: &mut CrateConsumer) -> Result<(), TransportError> {
+    let deadline = tokio::time::Instant::now() + CONSUMER_CLOSE_LIMIT;
+    let over_limit = || {
+        TransportError::Pulsar(pulsar::Error::Custom(format!(
+            "closing the consumer took over {CONSUMER_CLOSE_LIMIT:?}"
+        )))
+    };
+    loop {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(over_limit());
+        }
+        while let Some(Some(_)) = consumer.next().now_or_never() {}
+        match tokio::time::timeout(ENGINE_ROUND_TRIP_ATTEMPT, consumer.connections()).await {
+            Ok(Ok(_)) => break,
+            // The engine has stopped: nothing left to pass on.
+            Ok(Err(error)) => return Err(error.into()),
+            Err(_) => continue,
+        }
+    }
+    while let Some(Some(_)) = consumer.next().now_or_never() {}
+    match tokio::time::timeout_at(deadline, consumer.close()).await {
+        Ok(closed) => Ok(closed?),
+        Err(_) => Err(over_limit()),
+    }
+}
