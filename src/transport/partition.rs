@@ -96,7 +96,8 @@ pub(super) struct Partition {
 }
 
 enum State {
-    Open(CrateConsumer),
+    /// Boxed: the crate's consumer is large, the other state small.
+    Open(Box<CrateConsumer>),
     Resubscribing(LocalBoxFuture<'static, Result<CrateConsumer, TransportError>>),
 }
 
@@ -104,7 +105,7 @@ impl Partition {
     pub(super) fn new(topic: &str, consumer: CrateConsumer, subscriber: Rc<Subscriber>) -> Self {
         Partition {
             topic: Rc::from(topic),
-            state: State::Open(consumer),
+            state: State::Open(Box::new(consumer)),
             pending: Vec::new(),
             subscriber,
         }
@@ -136,7 +137,7 @@ impl Partition {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(Ok(consumer)) => {
                         info!(topic = %self.topic, "subscribed again");
-                        self.state = State::Open(consumer);
+                        self.state = State::Open(Box::new(consumer));
                         self.send_pending();
                     }
                     Poll::Ready(Err(error)) => {
