@@ -9,12 +9,15 @@
 //!
 //! Groups:
 //! - `latency`: a message becoming available → its handler starting, on an
-//!   idle dispatcher; the floor's is `spawn_local` → task start.
+//!   idle dispatcher; the floor's is `spawn_local` → task start; and
+//!   `ours_open_loop_50pct`: the mean lateness (handler start minus the
+//!   message's due time) under open-loop arrivals at half of ours'
+//!   saturation rate (the percentiles are in `report`).
 //! - `scheduler`: the pure scheduler alone: pick the best of K full slots,
 //!   return the permit, refill the slot.
 //! - `throughput`: N messages through K = 1, 10, 100 subscriptions at
 //!   concurrency C = 1, 20, 256, for ours, the floor (no subscriptions) and
-//!   the multi-threaded port.
+//!   the multi-threaded port, and the plain receive-handle-ack loop.
 //! - `scaling`: cost per message at 1, 10, 100, 1000 subscriptions spread over
 //!   1 and over 16 priority levels (C = 20).
 
@@ -41,6 +44,18 @@ fn latency(c: &mut Criterion) {
     });
     let mt = mt_port::MtLatency::new();
     group.bench_function("mt_port", |b| b.iter_custom(|iters| mt.measure(iters)));
+    drop(mt);
+    let saturation = on_local(support::latency::ours_saturation(50_000));
+    let interval = Duration::from_secs_f64(2.0 / saturation);
+    group.bench_function("ours_open_loop_50pct", |b| {
+        b.iter_custom(|iters| {
+            let (lateness, _) = on_local(support::latency::ours_open_loop(
+                interval,
+                iters.max(1) as usize,
+            ));
+            Duration::from_nanos(lateness.iter().sum())
+        })
+    });
     group.finish();
 }
 
@@ -76,6 +91,9 @@ fn throughput(c: &mut Criterion) {
     let mut group = c.benchmark_group("throughput");
     group.throughput(Throughput::Elements(1));
     let mt_runtime = mt_port::runtime();
+    group.bench_function("plain_loop", |b| {
+        b.iter_custom(|iters| on_local(support::plain_loop(iters as usize)))
+    });
     for concurrency in [1usize, 20, 256] {
         group.bench_function(BenchmarkId::new("floor", format!("C{concurrency}")), |b| {
             b.iter_custom(|iters| on_local(support::floor(concurrency, iters as usize)))

@@ -6,7 +6,13 @@ given receiver queue size. The clock runs from the handler of message
 number `--warmup` (past what the client prefetched at subscribe) until the
 last handler has run. Prints one JSON line.
 
-Usage: python e2e_bench.py --url pulsar://127.0.0.1:6650 --topic T --messages N --receiver-queue Q
+With `--latency`, it produces nothing: it subscribes, prints `ready`, and
+records for each message how long after the wall-clock stamp in the first
+8 bytes of its payload (little-endian nanoseconds since 1970, written by
+the Rust benchmark's producer just before sending) the handler started;
+after N messages it prints them as one JSON line (`ages_ns`).
+
+Usage: python e2e_bench.py --url pulsar://127.0.0.1:6650 --topic T --messages N --receiver-queue Q [--latency]
 """
 
 import argparse
@@ -69,6 +75,33 @@ async def consume(url, topic, messages, receiver_queue, warmup):
     return end[0] - warm[0], end[1] - warm[1]
 
 
+async def latency(url, topic, messages, receiver_queue):
+    dispatcher = PulsarDispatcher(url, concurrency=20)
+    ages = []
+    done = asyncio.get_running_loop().create_future()
+
+    async def handler(message):
+        now = time.time_ns()
+        stamp = int.from_bytes(message.data()[:8], "little")
+        ages.append(max(now - stamp, 0))
+        if len(ages) == messages:
+            done.set_result(None)
+        return None
+
+    await dispatcher.subscribe(
+        topic,
+        handler,
+        subscription_name="bench",
+        receiver_queue_size=receiver_queue,
+    )
+    runner = asyncio.create_task(dispatcher.run())
+    print("ready", flush=True)
+    await done
+    await dispatcher.close()
+    await runner
+    return ages
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", default="pulsar://127.0.0.1:6650")
@@ -77,7 +110,14 @@ if __name__ == "__main__":
     parser.add_argument("--receiver-queue", type=int, default=1000)
     parser.add_argument("--payload-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--latency", action="store_true")
     args = parser.parse_args()
+    if args.latency:
+        ages = asyncio.run(
+            latency(args.url, args.topic, args.messages, args.receiver_queue)
+        )
+        print(json.dumps({"bench": "python_e2e_latency", "ages_ns": ages}), flush=True)
+        raise SystemExit(0)
     produce(args.url, args.topic, args.messages, args.payload_size)
     elapsed, cpu = asyncio.run(
         consume(

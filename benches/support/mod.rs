@@ -9,16 +9,18 @@
 //! between measurements.
 #![allow(dead_code)]
 
+pub mod latency;
 pub mod mt_port;
 
 use std::cell::Cell;
 use std::convert::Infallible;
 use std::future::poll_fn;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-use pulsar_dispatcher::transport::{Event, MemoryTransport};
+use pulsar_dispatcher::transport::{Consumer, ConsumerSpec, Event, MemoryTransport, Transport};
 use pulsar_dispatcher::{Dispatcher, Message, SubscribeOptions};
 use tokio::runtime::Runtime;
 use tokio::sync::Notify;
@@ -267,6 +269,125 @@ pub async fn floor_counted(
         })
     };
     spawner.await.expect("the floor loop does not panic")
+}
+
+/// The plain loop: one consumer of the in-memory transport, each message
+/// received, handed to the same counting handler inline and acked, one at a
+/// time: no concurrency, no scheduler, no task per message. What a
+/// dispatcher that does nothing but receive, handle and ack costs on this
+/// transport. Must be called inside a `LocalSet`.
+pub async fn plain_loop(messages: usize) -> Duration {
+    plain_loop_counted(messages, 0, None).await.0
+}
+
+/// Like [`plain_loop`]; also returns allocations per message after `warmup`.
+pub async fn plain_loop_counted(
+    messages: usize,
+    warmup: usize,
+    allocations: Option<fn() -> u64>,
+) -> (Duration, Option<f64>) {
+    const TOPIC: &str = "plain-loop";
+    let transport = MemoryTransport::new();
+    let mut consumer = transport
+        .subscribe(&ConsumerSpec::new(TOPIC))
+        .await
+        .expect("subscribing to the in-memory transport");
+    for _ in 0..messages {
+        transport.send(TOPIC, Vec::new());
+    }
+    let count = Rc::new(Cell::new(0));
+    let done = Rc::new(Notify::new());
+    let handler = counting_handler(count.clone(), done.clone(), messages);
+    let mut begin = None;
+    let start = Instant::now();
+    for index in 0..messages {
+        if index == warmup {
+            begin = allocations.map(|read| read());
+        }
+        let message = poll_fn(|cx| consumer.poll_receive(cx))
+            .await
+            .expect("the stream goes on")
+            .expect("a message");
+        match handler(&message).await {
+            Ok(()) => consumer.ack(message.id()),
+            Err(never) => match never {},
+        }
+        .expect("acking");
+    }
+    let elapsed = start.elapsed();
+    let allocs = begin
+        .zip(allocations)
+        .map(|(begin, read)| (read() - begin) as f64 / (messages - warmup) as f64);
+    assert_eq!(count.get(), messages);
+    assert_eq!(
+        transport.acked(TOPIC).len(),
+        messages,
+        "every message acked"
+    );
+    (elapsed, allocs)
+}
+
+/// Lets every other ready task of the runtime (or `LocalSet`) run once,
+/// then resumes: the task wakes itself and goes to the back of the run
+/// queue. Unlike `tokio::task::yield_now`, whose wake-up is deferred until
+/// the runtime has polled its I/O driver, this costs no system call when
+/// other tasks are ready.
+pub async fn requeue() {
+    let mut yielded = false;
+    poll_fn(|cx| {
+        if yielded {
+            Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+/// When message `index` of an open-loop schedule is due, in nanoseconds
+/// after the clock's origin.
+pub fn due(start: u64, interval: Duration, index: usize) -> u64 {
+    start + (interval.as_secs_f64() * 1e9 * index as f64) as u64
+}
+
+/// The arrival loop of the open-loop benchmarks: sends message `i` once
+/// `due(start, interval, i)` has passed on the clock `origin`, checking the
+/// clock between turns of the other tasks (at most 64 messages per turn, so
+/// that a late loop catches up without starving the dispatcher).
+pub async fn send_on_schedule(
+    start: u64,
+    interval: Duration,
+    messages: usize,
+    origin: Instant,
+    mut send: impl FnMut(),
+) {
+    let mut next = 0;
+    while next < messages {
+        let now = origin.elapsed().as_nanos() as u64;
+        let mut sent = 0;
+        while next < messages && sent < 64 && due(start, interval, next) <= now {
+            send();
+            next += 1;
+            sent += 1;
+        }
+        requeue().await;
+    }
+}
+
+/// How late each handler started: its start stamp minus when its message
+/// was due.
+pub fn lateness(started: &[AtomicU64], start: u64, interval: Duration) -> Vec<u64> {
+    started
+        .iter()
+        .enumerate()
+        .map(|(index, stamp)| {
+            stamp
+                .load(Ordering::Relaxed)
+                .saturating_sub(due(start, interval, index))
+        })
+        .collect()
 }
 
 /// Measures "message available → handler started" on a dispatcher that

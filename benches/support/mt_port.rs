@@ -10,23 +10,34 @@
 //! the consumer and drops the permit. A `Notify` stands in for the
 //! condition variable that tells the dispatch loop a message arrived.
 //!
-//! The in-memory consumer does what `MemoryTransport` does per message:
-//! it keeps a clone of each received message until it is settled and
-//! records every ack, here behind a `Mutex` since any thread may ack.
+//! Made as cheap as the same design allows, so that the comparison is fair:
+//! the handler is a generic type whose future is stored unboxed in the
+//! spawned task (no `Box<dyn Fn>`, no boxed future per message), and the
+//! in-memory consumer does exactly the bookkeeping `MemoryTransport` does per
+//! message: it keeps a copy of each received message until it is settled in
+//! a map keyed by entry id with the identity hash (no SipHash), and records
+//! every ack; here behind mutexes, since any thread may ack.
+//!
+//! What it skips, compared with the library: the handler's task acks
+//! directly (no outcome routing: replies, retries, dead letters, error
+//! classes), no panic guard, no per-subscription counters, no negative-ack
+//! delay, no processing deadline, no graceful shutdown (its tasks are
+//! aborted).
 //!
 //! This is a benchmark baseline, not part of the library.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::future::Future;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::future::BoxFuture;
 use pulsar_dispatcher::MessageId;
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
-use super::Workload;
+use super::{requeue, Workload};
 
 /// A message of the multi-threaded port.
 #[derive(Clone, Debug)]
@@ -36,15 +47,36 @@ pub struct MtMessage {
     pub payload: Vec<u8>,
 }
 
+/// Hashes an entry id as itself, as `MemoryTransport` does.
+#[derive(Default)]
+struct EntryIdHasher(u64);
+
+impl Hasher for EntryIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
 /// An in-memory topic with one consumer.
 #[derive(Default)]
 pub struct MtTopic {
     name: Arc<str>,
     backlog: Mutex<VecDeque<MtMessage>>,
     arrived: Notify,
-    unsettled: Mutex<HashMap<MessageId, MtMessage>>,
+    unsettled: Mutex<HashMap<u64, MtMessage, BuildHasherDefault<EntryIdHasher>>>,
     acked: Mutex<Vec<MessageId>>,
-    next_entry: AtomicUsize,
+    acked_count: AtomicUsize,
+    next_entry: AtomicU64,
 }
 
 impl MtTopic {
@@ -55,9 +87,9 @@ impl MtTopic {
         })
     }
 
-    /// Appends a message, as a producer would.
-    pub fn send(&self, payload: Vec<u8>) {
-        let entry = self.next_entry.fetch_add(1, Ordering::Relaxed) as u64;
+    /// Appends a message, as a producer would; returns its entry id.
+    pub fn send(&self, payload: Vec<u8>) -> u64 {
+        let entry = self.next_entry.fetch_add(1, Ordering::Relaxed);
         let message = MtMessage {
             topic: self.name.clone(),
             id: MessageId::new(0, entry, -1, None),
@@ -65,6 +97,7 @@ impl MtTopic {
         };
         self.backlog.lock().unwrap().push_back(message);
         self.arrived.notify_one();
+        entry
     }
 
     async fn receive(&self) -> MtMessage {
@@ -74,7 +107,7 @@ impl MtTopic {
                 self.unsettled
                     .lock()
                     .unwrap()
-                    .insert(message.id.clone(), message.clone());
+                    .insert(message.id.entry_id(), message.clone());
                 return message;
             }
             arrived.await;
@@ -82,49 +115,58 @@ impl MtTopic {
     }
 
     fn ack(&self, id: &MessageId) {
-        self.unsettled.lock().unwrap().remove(id);
+        self.unsettled.lock().unwrap().remove(&id.entry_id());
         self.acked.lock().unwrap().push(id.clone());
+        self.acked_count.fetch_add(1, Ordering::Release);
     }
 
     fn nack(&self, id: &MessageId) {
-        if let Some(message) = self.unsettled.lock().unwrap().remove(id) {
+        if let Some(message) = self.unsettled.lock().unwrap().remove(&id.entry_id()) {
             self.backlog.lock().unwrap().push_front(message);
             self.arrived.notify_one();
         }
     }
 
     pub fn acked_count(&self) -> usize {
-        self.acked.lock().unwrap().len()
+        self.acked_count.load(Ordering::Acquire)
     }
 }
 
 pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A handler of the port: borrows the message, returns a boxed future.
-pub type Handler =
-    Box<dyn for<'a> Fn(&'a MtMessage) -> BoxFuture<'a, Result<(), HandlerError>> + Send + Sync>;
+/// A handler of the port: borrows the message; its future is a concrete
+/// type, stored in the task that runs it.
+pub trait MtHandler: Send + Sync + 'static {
+    fn handle<'a>(
+        &'a self,
+        message: &'a MtMessage,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'a;
+}
 
-struct Source {
+struct Source<H> {
     topic: Arc<MtTopic>,
-    handler: Handler,
+    handler: Arc<H>,
     slot_tx: mpsc::Sender<MtMessage>,
     slot_rx: Mutex<mpsc::Receiver<MtMessage>>,
 }
 
-struct Shared {
+/// The subscriptions of one priority, in the order they take turns.
+type Group<H> = (i64, VecDeque<Arc<Source<H>>>);
+
+struct Shared<H> {
     /// Groups of equal priority, lowest value first.
-    groups: Mutex<Vec<(i64, VecDeque<Arc<Source>>)>>,
+    groups: Mutex<Vec<Group<H>>>,
     permits: Arc<Semaphore>,
     arrived: Notify,
 }
 
 /// The multi-threaded dispatcher.
-pub struct MtDispatcher {
-    shared: Arc<Shared>,
-    sources: Vec<Arc<Source>>,
+pub struct MtDispatcher<H> {
+    shared: Arc<Shared<H>>,
+    sources: Vec<Arc<Source<H>>>,
 }
 
-impl MtDispatcher {
+impl<H: MtHandler> MtDispatcher<H> {
     pub fn new(concurrency: usize) -> Self {
         MtDispatcher {
             shared: Arc::new(Shared {
@@ -136,7 +178,7 @@ impl MtDispatcher {
         }
     }
 
-    pub fn subscribe(&mut self, topic: Arc<MtTopic>, priority: i64, handler: Handler) {
+    pub fn subscribe(&mut self, topic: Arc<MtTopic>, priority: i64, handler: Arc<H>) {
         let (slot_tx, slot_rx) = mpsc::channel(1);
         let source = Arc::new(Source {
             topic,
@@ -169,7 +211,7 @@ impl MtDispatcher {
     }
 }
 
-async fn read(shared: Arc<Shared>, source: Arc<Source>) {
+async fn read<H>(shared: Arc<Shared<H>>, source: Arc<Source<H>>) {
     loop {
         let message = source.topic.receive().await;
         if source.slot_tx.send(message).await.is_err() {
@@ -179,9 +221,9 @@ async fn read(shared: Arc<Shared>, source: Arc<Source>) {
     }
 }
 
-impl Shared {
+impl<H> Shared<H> {
     /// The best waiting message, rotating each group as it is scanned.
-    fn pick(&self) -> Option<(Arc<Source>, MtMessage)> {
+    fn pick(&self) -> Option<(Arc<Source<H>>, MtMessage)> {
         let mut groups = self.groups.lock().unwrap();
         for (_, group) in groups.iter_mut() {
             for _ in 0..group.len() {
@@ -197,7 +239,7 @@ impl Shared {
     }
 }
 
-async fn dispatch(shared: Arc<Shared>) {
+async fn dispatch<H: MtHandler>(shared: Arc<Shared<H>>) {
     loop {
         let permit = shared
             .permits
@@ -216,8 +258,12 @@ async fn dispatch(shared: Arc<Shared>) {
     }
 }
 
-async fn process(source: Arc<Source>, message: MtMessage, permit: OwnedSemaphorePermit) {
-    match (source.handler)(&message).await {
+async fn process<H: MtHandler>(
+    source: Arc<Source<H>>,
+    message: MtMessage,
+    permit: OwnedSemaphorePermit,
+) {
+    match source.handler.handle(&message).await {
         Ok(()) => source.topic.ack(&message.id),
         Err(_) => source.topic.nack(&message.id),
     }
@@ -237,17 +283,26 @@ pub fn runtime() -> Runtime {
         .expect("a multi-thread runtime")
 }
 
-fn counting_handler(count: Arc<AtomicUsize>, done: Arc<Notify>, total: usize) -> Handler {
-    Box::new(move |_message| {
-        let count = count.clone();
-        let done = done.clone();
-        Box::pin(async move {
-            if count.fetch_add(1, Ordering::Relaxed) + 1 == total {
-                done.notify_one();
+/// Counts, and wakes the waiter at the last message.
+pub struct Counting {
+    count: AtomicUsize,
+    done: Notify,
+    total: usize,
+}
+
+impl MtHandler for Counting {
+    #[allow(clippy::manual_async_fn)]
+    fn handle<'a>(
+        &'a self,
+        _message: &'a MtMessage,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'a {
+        async move {
+            if self.count.fetch_add(1, Ordering::Relaxed) + 1 == self.total {
+                self.done.notify_one();
             }
             Ok(())
-        })
-    })
+        }
+    }
 }
 
 /// The workload on the port: from starting the tasks until the last
@@ -272,15 +327,17 @@ pub fn run_counted(
     if messages == 0 {
         return (Duration::ZERO, None);
     }
-    let count = Arc::new(AtomicUsize::new(0));
-    let done = Arc::new(Notify::new());
+    let handler = Arc::new(Counting {
+        count: AtomicUsize::new(0),
+        done: Notify::new(),
+        total: messages,
+    });
     let mut dispatcher = MtDispatcher::new(concurrency);
     let topics: Vec<_> = (0..subscriptions)
         .map(|i| MtTopic::new(&workload.topic(i)))
         .collect();
     for (index, topic) in topics.iter().enumerate() {
-        let handler = counting_handler(count.clone(), done.clone(), messages);
-        dispatcher.subscribe(topic.clone(), (index % levels) as i64, handler);
+        dispatcher.subscribe(topic.clone(), (index % levels) as i64, handler.clone());
     }
     for index in 0..messages {
         topics[index % subscriptions].send(Vec::new());
@@ -289,7 +346,7 @@ pub fn run_counted(
         let begin = counter.map(|read| read());
         let start = Instant::now();
         let tasks = dispatcher.start();
-        done.notified().await;
+        handler.done.notified().await;
         let elapsed = start.elapsed();
         let counted = begin
             .zip(counter)
@@ -306,17 +363,143 @@ pub fn run_counted(
         }
         (elapsed, counted)
     });
-    assert_eq!(count.load(Ordering::Relaxed), messages);
+    assert_eq!(handler.count.load(Ordering::Relaxed), messages);
     (elapsed, counted)
 }
 
+/// Records when each message's handler started, in nanoseconds after a
+/// common origin, indexed by entry id.
+pub struct StampStarts {
+    origin: Instant,
+    started: Arc<[AtomicU64]>,
+    count: AtomicUsize,
+}
+
+impl MtHandler for StampStarts {
+    #[allow(clippy::manual_async_fn)]
+    fn handle<'a>(
+        &'a self,
+        message: &'a MtMessage,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'a {
+        async move {
+            let now = self.origin.elapsed().as_nanos() as u64;
+            self.started[message.id.entry_id() as usize].store(now, Ordering::Relaxed);
+            self.count.fetch_add(1, Ordering::Release);
+            Ok(())
+        }
+    }
+}
+
+/// Open-loop arrivals on the port: message `i` is due `i * interval` after
+/// the start and is sent by an arrival task on the port's own runtime (as
+/// ours' arrival task shares ours' thread) as soon as it is due. Returns,
+/// per message, how long after it was due its handler started.
+pub fn open_loop(runtime: &Runtime, interval: Duration, messages: usize) -> Vec<u64> {
+    let origin = Instant::now();
+    let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
+    let handler = Arc::new(StampStarts {
+        origin,
+        started: started.clone(),
+        count: AtomicUsize::new(0),
+    });
+    let topic = MtTopic::new("open-loop");
+    let mut dispatcher = MtDispatcher::new(20);
+    dispatcher.subscribe(topic.clone(), 0, handler.clone());
+    let due = runtime.block_on(async {
+        let tasks = dispatcher.start();
+        let sender = {
+            let topic = topic.clone();
+            tokio::spawn(async move {
+                let start = origin.elapsed().as_nanos() as u64;
+                super::send_on_schedule(start, interval, messages, origin, || {
+                    topic.send(Vec::new());
+                })
+                .await;
+                start
+            })
+        };
+        let start = sender.await.expect("the arrival task does not panic");
+        while handler.count.load(Ordering::Acquire) < messages {
+            requeue().await;
+        }
+        for task in &tasks {
+            task.abort();
+        }
+        for task in tasks {
+            let _ = task.await;
+        }
+        start
+    });
+    super::lateness(&started, due, interval)
+}
+
+/// The port when idle: one message at a time, from just before the send
+/// to its handler starting, with the previous message settled.
+pub fn idle(runtime: &Runtime, messages: usize) -> Vec<u64> {
+    let origin = Instant::now();
+    let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
+    let handler = Arc::new(StampStarts {
+        origin,
+        started: started.clone(),
+        count: AtomicUsize::new(0),
+    });
+    let topic = MtTopic::new("idle");
+    let mut dispatcher = MtDispatcher::new(20);
+    dispatcher.subscribe(topic.clone(), 0, handler.clone());
+    let sent_at = runtime.block_on(async {
+        let tasks = dispatcher.start();
+        let mut sent_at = Vec::with_capacity(messages);
+        for index in 0..messages {
+            while topic.acked_count() < index {
+                requeue().await;
+            }
+            sent_at.push(origin.elapsed().as_nanos() as u64);
+            topic.send(Vec::new());
+            while handler.count.load(Ordering::Acquire) <= index {
+                requeue().await;
+            }
+        }
+        for task in &tasks {
+            task.abort();
+        }
+        for task in tasks {
+            let _ = task.await;
+        }
+        sent_at
+    });
+    sent_at
+        .iter()
+        .zip(started.iter())
+        .map(|(sent, stamp)| stamp.load(Ordering::Relaxed).saturating_sub(*sent))
+        .collect()
+}
+
+/// Signals each handler start to the measuring task.
+struct Signal {
+    started: Mutex<Option<Instant>>,
+    signal: Notify,
+}
+
+impl MtHandler for Signal {
+    #[allow(clippy::manual_async_fn)]
+    fn handle<'a>(
+        &'a self,
+        _message: &'a MtMessage,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'a {
+        async move {
+            *self.started.lock().unwrap() = Some(Instant::now());
+            self.signal.notify_one();
+            Ok(())
+        }
+    }
+}
+
 /// "Message available → handler started" on a running port with one
-/// subscription.
+/// subscription (the criterion `latency` group).
 pub struct MtLatency {
     runtime: Runtime,
     topic: Arc<MtTopic>,
-    started: Arc<Mutex<Option<Instant>>>,
-    signal: Arc<Notify>,
+    handler: Arc<Signal>,
     _tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -324,27 +507,17 @@ impl MtLatency {
     pub fn new() -> Self {
         let runtime = runtime();
         let topic = MtTopic::new("latency");
-        let started = Arc::new(Mutex::new(None));
-        let signal = Arc::new(Notify::new());
+        let handler = Arc::new(Signal {
+            started: Mutex::new(None),
+            signal: Notify::new(),
+        });
         let mut dispatcher = MtDispatcher::new(20);
-        let handler: Handler = {
-            let (started, signal) = (started.clone(), signal.clone());
-            Box::new(move |_message| {
-                let (started, signal) = (started.clone(), signal.clone());
-                Box::pin(async move {
-                    *started.lock().unwrap() = Some(Instant::now());
-                    signal.notify_one();
-                    Ok(())
-                })
-            })
-        };
-        dispatcher.subscribe(topic.clone(), 0, handler);
+        dispatcher.subscribe(topic.clone(), 0, handler.clone());
         let tasks = runtime.block_on(async { dispatcher.start() });
         MtLatency {
             runtime,
             topic,
-            started,
-            signal,
+            handler,
             _tasks: tasks,
         }
     }
@@ -357,9 +530,11 @@ impl MtLatency {
                 // handler before `send` returns.
                 let sent = Instant::now();
                 self.topic.send(Vec::new());
-                self.signal.notified().await;
-                let started = self.started.lock().unwrap().take().expect("handler ran");
-                total += started.saturating_duration_since(sent);
+                self.handler.signal.notified().await;
+                let started = self.handler.started.lock().unwrap().take();
+                total += started
+                    .expect("handler ran")
+                    .saturating_duration_since(sent);
                 tokio::task::yield_now().await;
             }
             total

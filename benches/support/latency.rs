@@ -1,0 +1,638 @@
+//! Latency on the in-memory transport: open-loop arrivals (no coordinated
+//! omission), idle latency, priority inversions, and one dispatcher per
+//! core with a CPU-bound handler.
+//!
+//! Arrival to handler start is measured from outside the library: the
+//! arrival loop (a task on the same `LocalSet`) sends message `i` once it is
+//! due, and the handler stamps the time it starts into slot `i` (the
+//! message's entry id, which the in-memory broker counts from 0). Lateness
+//! is the start stamp minus the due time, so a dispatcher that falls behind
+//! is charged for every message it delays, including those the arrival
+//! loop could not send on time because the thread was busy.
+
+use std::cell::{Cell, RefCell};
+use std::convert::Infallible;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use pulsar_dispatcher::per_core::PerCore;
+use pulsar_dispatcher::transport::{
+    Consumer, ConsumerSpec, MemoryConsumer, MemoryProducer, MemoryTransport, Transport,
+    TransportError,
+};
+use pulsar_dispatcher::{Dispatcher, Message, MessageId, SubscribeOptions};
+
+use super::{lateness, requeue, send_on_schedule};
+
+/// p50, p99, p99.9 and max of a set of latencies, in nanoseconds, through
+/// an HDR histogram (3 significant digits).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Percentiles {
+    pub p50: u64,
+    pub p99: u64,
+    pub p999: u64,
+    pub max: u64,
+    pub count: u64,
+}
+
+impl Percentiles {
+    pub fn of(values: &[u64]) -> Percentiles {
+        let mut histogram =
+            Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds");
+        for &value in values {
+            histogram.saturating_record(value.max(1));
+        }
+        Percentiles {
+            p50: histogram.value_at_quantile(0.5),
+            p99: histogram.value_at_quantile(0.99),
+            p999: histogram.value_at_quantile(0.999),
+            max: histogram.max(),
+            count: histogram.len(),
+        }
+    }
+}
+
+const TOPIC: &str = "open-loop";
+
+/// How many messages go through a transport before a latency run: the
+/// in-memory broker records every ack in a `Vec` that doubles as it grows,
+/// and a doubling in the middle of a run (a copy of megabytes) would show
+/// as a pause of the dispatcher. After `2^k + 1` messages the log has room
+/// for `2^k - 1` more, so a run of fewer than `2^k` messages appends
+/// without reallocating.
+fn warm_up_messages(messages: usize) -> usize {
+    (messages + 1).next_power_of_two() + 1
+}
+
+/// A dispatcher (K = 1, C = 20) whose handler stamps its start time, in
+/// nanoseconds after `origin`, into `started[entry id - offset]` (the
+/// messages before `offset`, a warm-up, are only counted).
+async fn stamping_dispatcher(
+    origin: Instant,
+    started: Arc<[AtomicU64]>,
+    count: Rc<Cell<usize>>,
+    offset: usize,
+) -> (MemoryTransport, Dispatcher<MemoryTransport>) {
+    let transport = MemoryTransport::new();
+    let dispatcher = Dispatcher::builder()
+        .concurrency(20)
+        .build(transport.clone())
+        .expect("a valid concurrency");
+    let handler = async move |message: &Message| {
+        let now = origin.elapsed().as_nanos() as u64;
+        if let Some(index) = (message.id().entry_id() as usize).checked_sub(offset) {
+            started[index].store(now, Ordering::Relaxed);
+        }
+        count.set(count.get() + 1);
+        Ok::<(), Infallible>(())
+    };
+    dispatcher
+        .subscribe(TOPIC, handler, SubscribeOptions::new())
+        .await
+        .expect("subscribing to the in-memory transport");
+    (transport, dispatcher)
+}
+
+/// Runs the dispatcher until `count` reaches `messages`, with `arrivals`
+/// running beside it as a task of its own.
+async fn run_until_handled<A>(
+    dispatcher: &Dispatcher<MemoryTransport>,
+    count: &Cell<usize>,
+    messages: usize,
+    arrivals: A,
+) -> A::Output
+where
+    A: std::future::Future + 'static,
+    A::Output: 'static,
+{
+    let closer = dispatcher.close_handle();
+    let finish = async {
+        let arrivals = tokio::task::spawn_local(arrivals);
+        let output = arrivals.await.expect("the arrival loop does not panic");
+        while count.get() < messages {
+            requeue().await;
+        }
+        closer.close().await;
+        output
+    };
+    let (result, output) = tokio::join!(dispatcher.run(), finish);
+    result.expect("the dispatcher shuts down cleanly");
+    output
+}
+
+/// Sends `warm_up` messages at once and waits until they are handled.
+async fn warm(transport: &MemoryTransport, count: &Cell<usize>, warm_up: usize) {
+    for _ in 0..warm_up {
+        transport.send(TOPIC, Vec::new());
+    }
+    while count.get() < warm_up {
+        requeue().await;
+    }
+}
+
+/// Ours under open-loop load: message `i` arrives `i * interval` after the
+/// start. Returns each message's lateness (handler start minus due time,
+/// ns) and the time from the start to the last handler's start (ns). Must
+/// be called inside a `LocalSet`.
+pub async fn ours_open_loop(interval: Duration, messages: usize) -> (Vec<u64>, u64) {
+    let origin = Instant::now();
+    let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
+    let count = Rc::new(Cell::new(0));
+    let warm_up = warm_up_messages(messages);
+    let (transport, dispatcher) =
+        stamping_dispatcher(origin, started.clone(), count.clone(), warm_up).await;
+    let arrivals = {
+        let count = count.clone();
+        async move {
+            warm(&transport, &count, warm_up).await;
+            let start = origin.elapsed().as_nanos() as u64;
+            send_on_schedule(start, interval, messages, origin, || {
+                transport.send(TOPIC, Vec::new());
+            })
+            .await;
+            start
+        }
+    };
+    let start = run_until_handled(&dispatcher, &count, warm_up + messages, arrivals).await;
+    let last = started
+        .iter()
+        .map(|stamp| stamp.load(Ordering::Relaxed))
+        .max()
+        .unwrap_or(start);
+    (lateness(&started, start, interval), last - start)
+}
+
+/// Ours' saturation rate with the arrival loop on the same thread: every
+/// message is due at once, and the loop sends them (64 per turn) as fast as
+/// the thread lets it while the dispatcher drains them. Messages per second.
+pub async fn ours_saturation(messages: usize) -> f64 {
+    let (_, span) = ours_open_loop(Duration::ZERO, messages).await;
+    messages as f64 / (span.max(1) as f64 / 1e9)
+}
+
+/// Ours when idle: one message at a time, from just before `send` to its
+/// handler starting, with the previous message settled and nothing else
+/// happening. Must be called inside a `LocalSet`.
+pub async fn ours_idle(messages: usize) -> Vec<u64> {
+    let origin = Instant::now();
+    let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
+    let count = Rc::new(Cell::new(0));
+    let warm_up = warm_up_messages(messages);
+    let (transport, dispatcher) =
+        stamping_dispatcher(origin, started.clone(), count.clone(), warm_up).await;
+    let arrivals = {
+        let (transport, count) = (transport.clone(), count.clone());
+        async move {
+            warm(&transport, &count, warm_up).await;
+            let mut sent_at = Vec::with_capacity(messages);
+            for handled in warm_up..warm_up + messages {
+                // Let the previous message settle and the workers go idle.
+                for _ in 0..4 {
+                    requeue().await;
+                }
+                sent_at.push(origin.elapsed().as_nanos() as u64);
+                transport.send(TOPIC, Vec::new());
+                while count.get() <= handled {
+                    requeue().await;
+                }
+            }
+            sent_at
+        }
+    };
+    let sent_at = run_until_handled(&dispatcher, &count, warm_up + messages, arrivals).await;
+    assert_eq!(
+        transport.acked(TOPIC).len(),
+        warm_up + messages,
+        "every message acked"
+    );
+    sent_at
+        .iter()
+        .zip(started.iter())
+        .map(|(sent, stamp)| stamp.load(Ordering::Relaxed).saturating_sub(*sent))
+        .collect()
+}
+
+/// The plain loop under the same open-loop load: one task receives from
+/// the in-memory consumer (parked on its waker when nothing is there), runs
+/// the same stamping handler inline and acks. No dispatcher: its latency is
+/// what this machine and the arrival loop cost any single-threaded
+/// consumer. Must be called inside a `LocalSet`.
+pub async fn plain_open_loop(interval: Duration, messages: usize) -> Vec<u64> {
+    let origin = Instant::now();
+    let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
+    let warm_up = warm_up_messages(messages);
+    let transport = MemoryTransport::new();
+    let mut consumer = transport
+        .subscribe(&ConsumerSpec::new(TOPIC))
+        .await
+        .expect("subscribing to the in-memory transport");
+    let count = Rc::new(Cell::new(0usize));
+    let consuming = {
+        let (started, count) = (started.clone(), count.clone());
+        tokio::task::spawn_local(async move {
+            for _ in 0..warm_up + messages {
+                let message = std::future::poll_fn(|cx| consumer.poll_receive(cx))
+                    .await
+                    .expect("the stream goes on")
+                    .expect("a message");
+                let now = origin.elapsed().as_nanos() as u64;
+                if let Some(index) = (message.id().entry_id() as usize).checked_sub(warm_up) {
+                    started[index].store(now, Ordering::Relaxed);
+                }
+                count.set(count.get() + 1);
+                consumer.ack(message.id()).expect("acking");
+            }
+        })
+    };
+    let arrivals = {
+        let transport = transport.clone();
+        tokio::task::spawn_local(async move {
+            warm(&transport, &count, warm_up).await;
+            let start = origin.elapsed().as_nanos() as u64;
+            send_on_schedule(start, interval, messages, origin, || {
+                transport.send(TOPIC, Vec::new());
+            })
+            .await;
+            start
+        })
+    };
+    let start = arrivals.await.expect("the arrival loop does not panic");
+    consuming.await.expect("the plain loop does not panic");
+    lateness(&started, start, interval)
+}
+
+/// What this machine takes from a thread that never blocks: a loop that
+/// only reads the clock for `duration`, and the gaps of more than 5 µs
+/// between two readings (interrupts, the hypervisor, other processes).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Stalls {
+    /// Gaps per second.
+    pub per_second: f64,
+    pub gap_p50_ns: u64,
+    pub gap_max_ns: u64,
+    /// The share of the time lost in gaps.
+    pub lost_fraction: f64,
+}
+
+pub fn stalls(duration: Duration) -> Stalls {
+    let origin = Instant::now();
+    let end = duration.as_nanos() as u64;
+    let mut gaps = Vec::with_capacity(1 << 16);
+    let mut last = 0u64;
+    while last < end {
+        let now = origin.elapsed().as_nanos() as u64;
+        if now - last > 5_000 {
+            gaps.push(now - last);
+        }
+        last = now;
+    }
+    let lost: u64 = gaps.iter().sum();
+    let p = Percentiles::of(&gaps);
+    Stalls {
+        per_second: gaps.len() as f64 / duration.as_secs_f64(),
+        gap_p50_ns: p.p50,
+        gap_max_ns: p.max,
+        lost_fraction: lost as f64 / last as f64,
+    }
+}
+
+/// What the priority-inversion benchmark found.
+#[derive(Clone, Debug, Default)]
+pub struct Inversions {
+    /// High-priority messages sent (and handled).
+    pub high_messages: usize,
+    /// Low-priority messages dispatched while a high-priority message was
+    /// in its slot.
+    pub inversions: usize,
+    /// Per high-priority message: its handler's start minus the first
+    /// permit release after it was sent (or minus its send, when no permit
+    /// was released in between), ns.
+    pub excess_wait: Vec<u64>,
+    /// Per high-priority message: from its send to its handler's start, ns.
+    pub wait: Vec<u64>,
+    /// Low-priority messages handled during the run.
+    pub low_messages: usize,
+    /// How often the low-priority backlog ran dry (0 in a valid run: the
+    /// count relies on every low-priority receive following a dispatch).
+    pub low_ran_dry: usize,
+}
+
+/// What happened, in order, as seen from outside the library.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Seen {
+    /// The arrival loop sent a high-priority message.
+    HighSent,
+    /// The high-priority consumer handed a message over: it goes into the
+    /// subscription's empty slot in the same step.
+    HighReceived,
+    /// The high-priority consumer was polled with nothing to give: its slot
+    /// was empty, so the message it last gave had been dispatched.
+    HighPolledEmpty,
+    /// The low-priority consumer handed a message over. Its backlog never
+    /// runs dry, so its slot is refilled only right after its previous
+    /// message was dispatched: one of these per low-priority dispatch.
+    LowReceived,
+    /// The low-priority consumer had nothing (its backlog ran dry).
+    LowPolledEmpty,
+    /// A high-priority handler started.
+    HighStarted,
+    /// A low-priority handler returned (its permit is released in the same
+    /// step).
+    LowReturned,
+}
+
+type Log = Rc<RefCell<Vec<(u64, Seen)>>>;
+
+fn note(log: &Log, origin: Instant, seen: Seen) {
+    log.borrow_mut()
+        .push((origin.elapsed().as_nanos() as u64, seen));
+}
+
+const HIGH: &str = "inversion-high";
+const LOW: &str = "inversion-low";
+
+/// The in-memory transport, with every receive logged.
+#[derive(Clone)]
+struct Traced {
+    inner: MemoryTransport,
+    log: Log,
+    origin: Instant,
+}
+
+struct TracedConsumer {
+    inner: MemoryConsumer,
+    high: bool,
+    log: Log,
+    origin: Instant,
+}
+
+impl Transport for Traced {
+    type Consumer = TracedConsumer;
+    type Producer = MemoryProducer;
+
+    async fn subscribe(&self, spec: &ConsumerSpec) -> Result<TracedConsumer, TransportError> {
+        Ok(TracedConsumer {
+            inner: self.inner.subscribe(spec).await?,
+            high: spec.topic.ends_with(HIGH),
+            log: self.log.clone(),
+            origin: self.origin,
+        })
+    }
+
+    async fn create_producer(&self, topic: &str) -> Result<MemoryProducer, TransportError> {
+        self.inner.create_producer(topic).await
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        self.inner.close().await
+    }
+}
+
+impl Consumer for TracedConsumer {
+    fn poll_receive(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Message, TransportError>>> {
+        let polled = self.inner.poll_receive(cx);
+        let got = matches!(polled, Poll::Ready(Some(Ok(_))));
+        let seen = match (self.high, got) {
+            (true, true) => Seen::HighReceived,
+            (true, false) => Seen::HighPolledEmpty,
+            (false, true) => Seen::LowReceived,
+            (false, false) => Seen::LowPolledEmpty,
+        };
+        note(&self.log, self.origin, seen);
+        polled
+    }
+
+    fn ack(&mut self, id: &MessageId) -> Result<(), TransportError> {
+        self.inner.ack(id)
+    }
+
+    fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
+        self.inner.nack(id)
+    }
+
+    async fn close(&mut self) -> Result<(), TransportError> {
+        self.inner.close().await
+    }
+}
+
+/// Burns about `iterations` steps of CPU (a xorshift that the compiler
+/// cannot drop).
+pub fn spin(iterations: u64) -> u64 {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ iterations;
+    for _ in 0..iterations {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+    }
+    std::hint::black_box(x)
+}
+
+/// A small deterministic random source (xorshift64*).
+struct Random(u64);
+
+impl Random {
+    fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % bound
+    }
+}
+
+/// Priority inversion: C = 4 permits, all held by low-priority handlers
+/// with a backlog that never runs dry (each handler spins `low_work`
+/// steps, lets the other tasks run once, spins again, so that it holds its
+/// permit across a yield); `high_messages` high-priority messages arrive
+/// one at a time at random moments, 5 to 50 µs after the previous one
+/// started. Must be called inside a `LocalSet`.
+pub async fn inversions(high_messages: usize, low_work: u64) -> Inversions {
+    let origin = Instant::now();
+    let log: Log = Rc::new(RefCell::new(Vec::with_capacity(1 << 20)));
+    let memory = MemoryTransport::new();
+    let transport = Traced {
+        inner: memory.clone(),
+        log: log.clone(),
+        origin,
+    };
+    let dispatcher = Dispatcher::builder()
+        .concurrency(4)
+        .build(transport)
+        .expect("a valid concurrency");
+    let high_started = Rc::new(Cell::new(0usize));
+    let low_handled = Rc::new(Cell::new(0usize));
+    let high = {
+        let (log, started) = (log.clone(), high_started.clone());
+        async move |_message: &Message| {
+            note(&log, origin, Seen::HighStarted);
+            started.set(started.get() + 1);
+            Ok::<(), Infallible>(())
+        }
+    };
+    let low = {
+        let (log, handled) = (log.clone(), low_handled.clone());
+        async move |_message: &Message| {
+            spin(low_work);
+            requeue().await;
+            spin(low_work);
+            handled.set(handled.get() + 1);
+            note(&log, origin, Seen::LowReturned);
+            Ok::<(), Infallible>(())
+        }
+    };
+    dispatcher
+        .subscribe(HIGH, high, SubscribeOptions::new().priority(0))
+        .await
+        .expect("subscribing");
+    dispatcher
+        .subscribe(LOW, low, SubscribeOptions::new().priority(100))
+        .await
+        .expect("subscribing");
+    for _ in 0..1024 {
+        memory.send(LOW, Vec::new());
+    }
+    let arrivals = {
+        let (log, high_started) = (log.clone(), high_started.clone());
+        async move {
+            let mut random = Random(0x5DEE_CE66_D1CE_4E5B);
+            // Let every permit be taken by low-priority handlers first.
+            for _ in 0..64 {
+                requeue().await;
+            }
+            let mut next_at = origin.elapsed().as_nanos() as u64;
+            let mut sent = 0;
+            while sent < high_messages || high_started.get() < sent {
+                if memory.backlog_len(LOW) < 512 {
+                    for _ in 0..512 {
+                        memory.send(LOW, Vec::new());
+                    }
+                }
+                let now = origin.elapsed().as_nanos() as u64;
+                if sent < high_messages && high_started.get() == sent && now >= next_at {
+                    note(&log, origin, Seen::HighSent);
+                    memory.send(HIGH, Vec::new());
+                    sent += 1;
+                    // The next one 5 to 50 µs after this one starts.
+                    next_at = u64::MAX;
+                } else if next_at == u64::MAX && high_started.get() == sent {
+                    next_at = now + 5_000 + random.below(45_000);
+                }
+                requeue().await;
+            }
+        }
+    };
+    let closer = dispatcher.close_handle();
+    let finish = async {
+        tokio::task::spawn_local(arrivals)
+            .await
+            .expect("the arrival loop does not panic");
+        closer.close().await;
+    };
+    let (result, ()) = tokio::join!(dispatcher.run(), finish);
+    result.expect("the dispatcher shuts down cleanly");
+    let mut found = analyse(&log.borrow());
+    found.low_messages = low_handled.get();
+    assert_eq!(
+        found.high_messages, high_messages,
+        "every high message seen"
+    );
+    found
+}
+
+/// Walks the log; see [`Inversions`] for what is counted.
+fn analyse(log: &[(u64, Seen)]) -> Inversions {
+    let mut found = Inversions::default();
+    // The high-priority message under way: when it was sent, the first
+    // permit release after that, and whether it is in its slot.
+    let mut sent_at: Option<u64> = None;
+    let mut released_at: Option<u64> = None;
+    let mut in_slot = false;
+    // Whether the low-priority consumer last had nothing: then its next
+    // message fills a slot that was empty, not one emptied by a dispatch.
+    let mut low_dry = true;
+    for &(at, seen) in log {
+        match seen {
+            Seen::HighSent => {
+                sent_at = Some(at);
+                released_at = None;
+            }
+            Seen::HighReceived => in_slot = true,
+            Seen::HighPolledEmpty => in_slot = false,
+            Seen::LowReceived => {
+                if !std::mem::take(&mut low_dry) && in_slot {
+                    found.inversions += 1;
+                }
+            }
+            Seen::LowPolledEmpty => {
+                low_dry = true;
+                found.low_ran_dry += 1;
+            }
+            Seen::LowReturned => {
+                if sent_at.is_some() && released_at.is_none() {
+                    released_at = Some(at);
+                }
+            }
+            Seen::HighStarted => {
+                let sent = sent_at
+                    .take()
+                    .expect("a high message starts after its send");
+                let released = released_at.take().unwrap_or(sent);
+                found.excess_wait.push(at.saturating_sub(released));
+                found.wait.push(at.saturating_sub(sent));
+                found.high_messages += 1;
+            }
+        }
+    }
+    found
+}
+
+/// One dispatcher per core on the in-memory transport: `cores` dispatchers
+/// (K = 1, C = 20) on as many threads, each with `messages / cores`
+/// messages waiting on its own transport, with a handler that spins
+/// `work` steps. Returns the time from the start of the group until the
+/// last handler has run.
+pub fn per_core(cores: usize, messages: usize, work: u64) -> Duration {
+    let per_dispatcher = messages / cores;
+    let total = per_dispatcher * cores;
+    let count = Arc::new(AtomicUsize::new(0));
+    let (done_tx, done_rx) = mpsc::channel();
+    let factory = move |_core: usize| {
+        let (count, done) = (count.clone(), done_tx.clone());
+        async move {
+            let transport = MemoryTransport::new();
+            let dispatcher = Dispatcher::builder()
+                .concurrency(20)
+                .build(transport.clone())?;
+            let handler = async move |_message: &Message| {
+                spin(work);
+                if count.fetch_add(1, Ordering::Relaxed) + 1 == total {
+                    let _ = done.send(Instant::now());
+                }
+                Ok::<(), Infallible>(())
+            };
+            dispatcher
+                .subscribe("per-core", handler, SubscribeOptions::new())
+                .await?;
+            for _ in 0..per_dispatcher {
+                transport.send("per-core", Vec::new());
+            }
+            Ok(dispatcher)
+        }
+    };
+    let group = PerCore::start(cores, factory).expect("starting the dispatchers");
+    let start = Instant::now();
+    let end = done_rx
+        .recv_timeout(Duration::from_secs(600))
+        .expect("every message is handled");
+    group.shutdown_handle().shutdown();
+    for result in group.join() {
+        result.expect("a clean run");
+    }
+    end - start
+}
