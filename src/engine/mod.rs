@@ -57,7 +57,7 @@ use self::worker::Job;
 use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{Outcome, SubscriptionInfo, Verdict};
-use crate::routing::{Action, DeadLetterTargets, PublishKind, RetryTopicCheck, Router};
+use crate::routing::{Action, DeadLetterTargets, Publish, PublishKind, RetryTopicCheck, Router};
 use crate::scheduler::{Permit, Rejected, Scheduler, SchedulingPolicy};
 use crate::transport::Transport;
 
@@ -94,6 +94,14 @@ impl Phase {
 pub(crate) struct MessageBox(Box<Option<Message>>);
 
 impl MessageBox {
+    fn empty() -> Self {
+        MessageBox(Box::new(None))
+    }
+
+    pub(crate) fn put(&mut self, message: Message) {
+        *self.0 = Some(message);
+    }
+
     pub(crate) fn get(&self) -> &Message {
         self.0
             .as_ref()
@@ -370,22 +378,24 @@ impl<T: Transport> Engine<T> {
         {
             return;
         }
-        match subscription.receive() {
+        let mut spare = self.spare();
+        match subscription.receive(&mut spare) {
+            Received::Stored => return self.offer(subscription, spare),
             Received::Nothing => {}
-            Received::Message(message) => self.offer(subscription, message),
             Received::RetryLater => self.watch_timers(subscription),
             Received::Failed(failure) => self.fail(failure),
         }
+        self.spares.borrow_mut().push(spare);
     }
 
     /// Puts a received message in its subscription's slot. One that cannot
     /// be queued goes straight back to the broker; refilling only an empty
     /// slot while running makes that a safety net.
-    fn offer(&self, subscription: &Rc<Subscription<T>>, message: Message) {
-        let order_key = subscription.order_key(&message);
+    fn offer(&self, subscription: &Rc<Subscription<T>>, message: MessageBox) {
+        let order_key = subscription.order_key(message.get());
         let delivery = Delivery {
             subscription: subscription.clone(),
-            message: self.store(message),
+            message,
             since: self.timings.then(Instant::now),
         };
         let inserted =
@@ -400,14 +410,13 @@ impl<T: Transport> Engine<T> {
         }
     }
 
-    fn store(&self, message: Message) -> MessageBox {
-        match self.spares.borrow_mut().pop() {
-            Some(mut spare) => {
-                *spare.0 = Some(message);
-                spare
-            }
-            None => MessageBox(Box::new(Some(message))),
-        }
+    /// An empty box for the next message: a spare, or a new one while
+    /// fewer than the messages ever held at once exist.
+    fn spare(&self) -> MessageBox {
+        self.spares
+            .borrow_mut()
+            .pop()
+            .unwrap_or_else(MessageBox::empty)
     }
 
     /// Takes an emptied message box back for the next message.
@@ -428,12 +437,16 @@ impl<T: Transport> Engine<T> {
 
     /// Turns a handler's outcome into a verdict: publishes the reply, retry
     /// or dead letter it calls for first, and counts what happened.
-    pub(crate) async fn route(
+    ///
+    /// Decides at once, without awaiting: what most outcomes need (an ack
+    /// or a nack) comes back as [`Action::Settle`]; a reply, retry or dead
+    /// letter comes back as [`Action::Publish`], for [`publish`](Self::publish).
+    pub(crate) fn route(
         &self,
         subscription: &Subscription<T>,
         message: &Message,
         outcome: Outcome,
-    ) -> Verdict {
+    ) -> Action {
         let counters = &subscription.counters;
         bump(match &outcome {
             Outcome::Succeeded(_) => &counters.succeeded,
@@ -441,21 +454,28 @@ impl<T: Transport> Engine<T> {
             Outcome::Panicked(_) => &counters.panicked,
             Outcome::TimedOut(_) => &counters.deadline_exceeded,
         });
-        match self.router.decide(&subscription.routing, message, outcome) {
-            Action::Settle(verdict) => verdict,
-            Action::Publish(publish) => {
-                let published = match publish.kind() {
-                    PublishKind::Reply => &counters.replied,
-                    PublishKind::Retry => &counters.retried,
-                    PublishKind::DeadLetter => &counters.dead_lettered,
-                };
-                let verdict = self.router.publish(&self.transport, publish, message).await;
-                if verdict == Verdict::Ack {
-                    bump(published);
-                }
-                verdict
-            }
+        self.router.decide(&subscription.routing, message, outcome)
+    }
+
+    /// Publishes what [`route`](Self::route) decided, and gives the verdict
+    /// its result calls for.
+    pub(crate) async fn publish(
+        &self,
+        subscription: &Subscription<T>,
+        message: &Message,
+        publish: Publish,
+    ) -> Verdict {
+        let counters = &subscription.counters;
+        let published = match publish.kind() {
+            PublishKind::Reply => &counters.replied,
+            PublishKind::Retry => &counters.retried,
+            PublishKind::DeadLetter => &counters.dead_lettered,
+        };
+        let verdict = self.router.publish(&self.transport, publish, message).await;
+        if verdict == Verdict::Ack {
+            bump(published);
         }
+        verdict
     }
 }
 
@@ -499,7 +519,8 @@ mod tests {
                 .unwrap();
             let subscription = engine.all_subscriptions().remove(0);
             let id = transport.send("jobs", "late");
-            let Received::Message(message) = subscription.receive() else {
+            let mut message = engine.spare();
+            let Received::Stored = subscription.receive(&mut message) else {
                 panic!("the message is there");
             };
             engine.scheduler.borrow_mut().close();

@@ -21,7 +21,7 @@ use super::health::SubscriptionHealth;
 use super::metrics::SubscriptionMetrics;
 use super::stats::{bump, Counters, LatencyHistogram, SubscriptionStats};
 use super::wake::{SubscriptionWaker, WokenList};
-use super::Handler;
+use super::{Handler, MessageBox};
 use crate::error::{Error, TransportError};
 use crate::message::{Message, MessageId};
 use crate::outcome::{SubscriptionInfo, Verdict};
@@ -107,7 +107,8 @@ struct Timings {
 
 /// What polling a subscription's consumer gave.
 pub(crate) enum Received {
-    Message(Message),
+    /// A message, now in the box the engine passed.
+    Stored,
     /// Nothing for now: the consumer wakes the subscription when it has a
     /// message, or the engine's timer does when a failed receive is retried.
     Nothing,
@@ -226,8 +227,9 @@ impl<T: Transport> Subscription<T> {
     }
 
     /// Polls the consumer once, with the subscription's own waker, unless a
-    /// failed receive is waiting to be retried.
-    pub(crate) fn receive(&self) -> Received {
+    /// failed receive is waiting to be retried. A message goes straight
+    /// into `into`, where it stays until it is settled.
+    pub(crate) fn receive(&self, into: &mut MessageBox) -> Received {
         if let Some(retry_at) = self.failures.borrow().retry_at {
             if Instant::now() < retry_at {
                 return Received::Nothing;
@@ -245,7 +247,8 @@ impl<T: Transport> Subscription<T> {
                 if self.failures.borrow().in_a_row > 0 {
                     self.recovered();
                 }
-                Received::Message(message)
+                into.put(message);
+                Received::Stored
             }
             Poll::Ready(Some(Err(error))) => {
                 bump(&self.counters.receive_errors);

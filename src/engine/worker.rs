@@ -27,6 +27,7 @@ use super::{Engine, Handler, MessageBox, Pool};
 use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{panic_text, Deadline, HandlerError, IntoReply, Outcome, Verdict};
+use crate::routing::{Action, Publish};
 use crate::scheduler::Permit;
 use crate::transport::Transport;
 
@@ -130,7 +131,7 @@ where
             job.subscription
                 .record_timings(started.saturating_duration_since(since), ran);
         }
-        let _entered = span.enter();
+        let entered = span.enter();
         let outcome = match handled {
             Some(Ok(result)) => Outcome::of(result),
             Some(Err(panic)) => Outcome::panicked(panic.as_ref()),
@@ -142,12 +143,21 @@ where
         };
         // Routing and settling are the dispatcher's own code; a panic there
         // is a bug that must not pass unnoticed. The job's guard still
-        // nacks the message and returns the permit.
-        drop(_entered);
-        let finishing = AssertUnwindSafe(job.finish(outcome))
-            .catch_unwind()
-            .instrument(span);
-        if let Err(panic) = finishing.await {
+        // nacks the message and returns the permit. The common outcomes
+        // settle without awaiting; only a publish is a future.
+        let mut job = job;
+        let concluded = std::panic::catch_unwind(AssertUnwindSafe(|| job.conclude(outcome)));
+        drop(entered);
+        let failed = match concluded {
+            Ok(None) => return,
+            Ok(Some(publish)) => AssertUnwindSafe(job.publish_and_settle(publish))
+                .catch_unwind()
+                .instrument(span)
+                .await
+                .err(),
+            Err(panic) => Some(panic),
+        };
+        if let Some(panic) = failed {
             engine.fail(Error::EngineFailed {
                 reason: format!(
                     "settling a message panicked: {}",
@@ -310,12 +320,28 @@ impl<T: Transport> Job<T> {
             .get()
     }
 
-    /// Routes the outcome (reply, retry, dead letter), settles the message
-    /// and returns the permit. The common path, an ack, does not await.
-    async fn finish(mut self, outcome: Outcome) {
-        let verdict = self
+    /// Routes the outcome and, when that takes no publish, settles the
+    /// message; otherwise returns what to publish first.
+    fn conclude(&mut self, outcome: Outcome) -> Option<Publish> {
+        match self
             .engine
             .route(&self.subscription, self.message(), outcome)
+        {
+            Action::Settle(verdict) => {
+                self.settle(verdict);
+                self.finished = true;
+                None
+            }
+            Action::Publish(publish) => Some(publish),
+        }
+    }
+
+    /// Publishes a reply, retry or dead letter, then settles the message by
+    /// how the publish went.
+    async fn publish_and_settle(mut self, publish: Publish) {
+        let verdict = self
+            .engine
+            .publish(&self.subscription, self.message(), publish)
             .await;
         self.settle(verdict);
         self.finished = true;
