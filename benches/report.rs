@@ -14,6 +14,10 @@
 //!   10, 50, 80 and 95% of ours' saturation rate, for ours and the port;
 //!   idle latency; priority inversions; one dispatcher per core with a
 //!   CPU-bound handler;
+//! - scheduling and observability in memory (`report/features.rs`): one
+//!   pick under each policy, weighted shares at saturation, the lowest
+//!   level's longest wait under aging, key ordering against unordered, and
+//!   dispatch with a Prometheus recorder or an `info` subscriber installed;
 //! - on the broker at `PULSAR_URL` (skipped with `--no-e2e`, see
 //!   `report/e2e.rs`): ours against a plain `pulsar` consumer loop, the
 //!   library's Pulsar transport in a plain loop, and the Python original,
@@ -30,8 +34,10 @@
 //! no priority inversion.
 //!
 //! `--profile WHAT` runs one workload once (for `valgrind --tool=callgrind`):
-//! `ours`, `ours-k1000`, `ours-k1000-l16`, `floor`, `plain`, `mt`, `idle`,
-//! `open-loop-<percent>`, `inversion`, `per-core-<n>`; on the broker,
+//! `ours`, `ours-k1000`, `ours-k1000-l16`, `ours-keyed` (64 keys, key
+//! ordering), `ours-keyed-unordered`, `floor`, `plain`, `mt`, `idle`,
+//! `open-loop-<percent>`, `inversion`, `per-core-<n>`, `features` (this
+//! section of the report at its quick sizes); on the broker,
 //! `e2e-q<N>` (ours then the plain loop at receiver queue N) and
 //! `e2e-ours`, `e2e-raw`, `e2e-transport` (one run of 20,000 messages at
 //! receiver queue 1000).
@@ -40,6 +46,8 @@ mod support;
 
 #[path = "report/e2e.rs"]
 mod e2e;
+#[path = "report/features.rs"]
+mod features;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -47,7 +55,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use pulsar_dispatcher::Message;
+use pulsar_dispatcher::{Message, Ordering as MessageOrdering};
 use serde_json::{json, Map, Value};
 
 use support::latency::{self, Percentiles};
@@ -117,6 +125,13 @@ impl Options {
                 python_e2e: 5_000,
                 e2e_repeats: 3,
                 e2e_latency: 3_000,
+                features: features::Sizes {
+                    repeats: 3,
+                    picks: 200_000,
+                    share_window: 20_000,
+                    aging_run: Duration::from_millis(500),
+                    messages: 100_000,
+                },
             }
         } else {
             Sizes {
@@ -135,6 +150,13 @@ impl Options {
                 python_e2e: 10_000,
                 e2e_repeats: 5,
                 e2e_latency: 10_000,
+                features: features::Sizes {
+                    repeats: 7,
+                    picks: 1_000_000,
+                    share_window: 100_000,
+                    aging_run: Duration::from_secs(2),
+                    messages: 300_000,
+                },
             }
         }
     }
@@ -156,6 +178,7 @@ struct Sizes {
     python_e2e: usize,
     e2e_repeats: usize,
     e2e_latency: usize,
+    features: features::Sizes,
 }
 
 /// Spin steps of the CPU-bound handler of the per-core benchmark (about
@@ -562,6 +585,8 @@ fn run(options: &Options) -> Map<String, Value> {
     insert(&mut report, "per_core_mem_2_msgs_per_s", two);
     insert(&mut report, "per_core_mem_2_vs_1", two / one);
 
+    features::run(&sizes.features, &mut report);
+
     if options.e2e {
         e2e::run(&sizes, &mut report);
     }
@@ -896,6 +921,58 @@ fn print_table(report: &Map<String, Value>) {
             met: check("per_core_mem_2_vs_1", |r| r >= 1.8),
         },
         Row {
+            name: "pick, strict / weighted / aging",
+            figure: show(number("pick_ns_strict"), "ns"),
+            comparison: format!(
+                "weighted {} aging {}",
+                show(number("pick_ns_weighted"), "ns"),
+                show(number("pick_ns_aging"), "ns")
+            ),
+            target: "",
+            met: None,
+        },
+        Row {
+            name: "weighted share max error",
+            figure: show(number("weighted_share_max_error"), ""),
+            comparison: format!(
+                "scheduler alone {}",
+                show(number("weighted_share_max_error_scheduler"), "")
+            ),
+            target: "<= 0.02",
+            met: check("weighted_share_max_error", |e| e <= 0.02),
+        },
+        Row {
+            name: "aging: lowest level's max wait",
+            figure: show(number("aging_lowest_max_wait_ms"), "ms"),
+            comparison: format!("bound {}", show(number("aging_bound_ms"), "ms")),
+            target: "",
+            met: None,
+        },
+        Row {
+            name: "key ordering",
+            figure: show(number("key_ordering_ns_per_msg"), "ns/msg"),
+            comparison: format!(
+                "vs unordered {}",
+                show(number("key_ordering_vs_unordered"), "x")
+            ),
+            target: "<= 1.2x",
+            met: check("key_ordering_vs_unordered", |r| r <= 1.2),
+        },
+        Row {
+            name: "Prometheus recorder installed",
+            figure: show(number("metrics_overhead"), "x"),
+            comparison: format!("allocs {}", show(number("metrics_allocs_per_msg"), "/msg")),
+            target: "<= 1.10x",
+            met: check("metrics_overhead", |r| r <= 1.10),
+        },
+        Row {
+            name: "info subscriber installed",
+            figure: show(number("tracing_overhead"), "x"),
+            comparison: String::new(),
+            target: "<= 1.05x",
+            met: check("tracing_overhead", |r| r <= 1.05),
+        },
+        Row {
             name: "e2e client CPU, ours",
             figure: show(number("e2e_cpu_us_per_msg"), "us/msg"),
             comparison: format!(
@@ -981,7 +1058,8 @@ fn print_table(report: &Map<String, Value>) {
 
 /// `cargo test --all-targets` runs this: each workload completes, every
 /// message is acknowledged, nothing allocates per message in steady state,
-/// and no low-priority message overtakes a waiting high-priority one.
+/// no low-priority message overtakes a waiting high-priority one, and the
+/// scheduling policies do what they promise.
 fn smoke() {
     let workload = Workload::new(3, 4, 200).levels(2);
     assert!(on_local(support::ours(workload)) > Duration::ZERO);
@@ -1027,6 +1105,7 @@ fn smoke() {
         "no low-priority message overtook a high one"
     );
     assert!(latency::per_core(2, 200, 10) > Duration::ZERO);
+    features::smoke();
     println!("report: smoke run passed (run with --bench for figures)");
 }
 
@@ -1041,9 +1120,24 @@ fn profile(what: &str) {
         "ours" => on_local(support::ours(workload)),
         "ours-k1000" => on_local(support::ours(Workload::new(1000, 20, messages))),
         "ours-k1000-l16" => on_local(support::ours(Workload::new(1000, 20, messages).levels(16))),
+        "ours-keyed" => on_local(support::ours(workload.keyed(64, MessageOrdering::Key))),
+        "ours-keyed-unordered" => on_local(support::ours(
+            workload.keyed(64, MessageOrdering::Unordered),
+        )),
         "floor" => on_local(support::floor(20, messages)),
         "plain" => on_local(support::plain_loop(messages)),
         "mt" => mt_port::run(&mt_port::runtime(), workload),
+        "features" => {
+            let mut report = Map::new();
+            let quick = Options {
+                quick: true,
+                e2e: false,
+                out: PathBuf::new(),
+            };
+            features::run(&quick.sizes().features, &mut report);
+            println!("{}", Value::Object(report));
+            return;
+        }
         "idle" => {
             let p = Percentiles::of(&on_local(latency::ours_idle(messages / 10)));
             println!("idle: {p:?}");
@@ -1088,7 +1182,7 @@ fn profile(what: &str) {
             }
             panic!(
                 "unknown profile target {other}; use ours, ours-k1000, ours-k1000-l16, floor, \
-                 plain, mt, idle, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
+                 plain, mt, ours-keyed, ours-keyed-unordered, features, idle, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
                  e2e-ours, e2e-raw or e2e-transport"
             )
         }

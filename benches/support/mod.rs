@@ -11,6 +11,7 @@
 
 pub mod latency;
 pub mod mt_port;
+pub mod scheduling;
 
 use std::cell::Cell;
 use std::convert::Infallible;
@@ -20,20 +21,28 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-use pulsar_dispatcher::transport::{Consumer, ConsumerSpec, Event, MemoryTransport, Transport};
-use pulsar_dispatcher::{Dispatcher, Message, SubscribeOptions};
+use pulsar_dispatcher::transport::{
+    Consumer, ConsumerSpec, Event, MemoryTransport, OutgoingMessage, Transport,
+};
+use pulsar_dispatcher::{Dispatcher, Message, Ordering as MessageOrdering, SubscribeOptions};
 use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 use tokio::task::LocalSet;
 
 /// N messages through K subscriptions at concurrency C, the subscriptions
-/// spread round-robin over `levels` priority levels.
+/// spread round-robin over `levels` priority levels; optionally with
+/// partition keys and an ordering mode (ours only: the port ignores both).
 #[derive(Clone, Copy, Debug)]
 pub struct Workload {
     pub subscriptions: usize,
     pub levels: usize,
     pub concurrency: usize,
     pub messages: usize,
+    /// How many distinct partition keys the messages carry, taken in turn
+    /// (0: no key).
+    pub keys: usize,
+    /// How each subscription's messages may overlap.
+    pub ordering: MessageOrdering,
 }
 
 impl Workload {
@@ -43,7 +52,17 @@ impl Workload {
             levels: 1,
             concurrency,
             messages,
+            keys: 0,
+            ordering: MessageOrdering::Unordered,
         }
+    }
+
+    /// Messages carry `keys` distinct partition keys in turn, and each
+    /// subscription orders them by `ordering`.
+    pub fn keyed(mut self, keys: usize, ordering: MessageOrdering) -> Self {
+        self.keys = keys;
+        self.ordering = ordering;
+        self
     }
 
     pub fn levels(mut self, levels: usize) -> Self {
@@ -121,6 +140,8 @@ pub async fn ours_counted(
         levels,
         concurrency,
         messages,
+        keys,
+        ordering,
     } = workload;
     assert!(subscriptions > 0 && levels > 0 && warmup < messages.max(1));
     let transport = MemoryTransport::new();
@@ -135,7 +156,9 @@ pub async fn ours_counted(
     // number `warmup`.
     let at_warmup = Rc::new(Cell::new(None));
     for (index, topic) in topics.iter().enumerate() {
-        let options = SubscribeOptions::new().priority((index % levels) as i64);
+        let options = SubscribeOptions::new()
+            .priority((index % levels) as i64)
+            .ordering(ordering);
         match allocations {
             None => {
                 let handler = counting_handler(count.clone(), done.clone(), messages);
@@ -159,8 +182,18 @@ pub async fn ours_counted(
         }
         .expect("subscribing to the in-memory transport");
     }
+    // Key names are made before the clock starts; each message's copy of
+    // its key is made as it is sent, before the clock starts too.
+    let key_names: Vec<String> = (0..keys).map(|key| format!("key-{key}")).collect();
     for index in 0..messages {
-        transport.send(&topics[index % subscriptions], Vec::new());
+        let topic = &topics[index % subscriptions];
+        match key_names.get(index % keys.max(1)) {
+            None => transport.send(topic, Vec::new()),
+            Some(key) => transport.send_message(
+                topic,
+                OutgoingMessage::new(Vec::new()).with_partition_key(key.clone()),
+            ),
+        };
     }
     if messages == 0 {
         dispatcher.close().await;

@@ -323,6 +323,7 @@ pub fn run_counted(
         levels,
         concurrency,
         messages,
+        ..
     } = workload;
     if messages == 0 {
         return (Duration::ZERO, None);
