@@ -103,6 +103,7 @@ mod engine;
 mod error;
 mod family;
 mod handle;
+mod hash;
 mod message;
 mod options;
 mod outcome;

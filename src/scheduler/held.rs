@@ -9,8 +9,9 @@
 //! arrive hashed to a `u64`; a message without a key waits for no one.
 
 use std::collections::{HashSet, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Instant;
+
+use crate::hash::BuildIdentity;
 
 /// A message waiting in the scheduler.
 pub(super) struct Waiting<M> {
@@ -34,28 +35,8 @@ pub(super) struct Keyed<M> {
     /// receive order.
     parked: VecDeque<Waiting<M>>,
     /// Keys of dispatched messages not released yet.
-    in_flight: HashSet<u64, BuildHasherDefault<PreHashed>>,
+    in_flight: HashSet<u64, BuildIdentity>,
     capacity: usize,
-}
-
-/// Hashes a key that is already a hash, as itself.
-#[derive(Default)]
-pub(super) struct PreHashed(u64);
-
-impl Hasher for PreHashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
 }
 
 impl<M> Held<M> {

@@ -11,11 +11,11 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::poll_fn;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
+use crate::hash::BuildIdentity;
 use crate::message::{Message, MessageId};
 use crate::topic::full_topic_name;
 
@@ -74,7 +74,7 @@ struct Topic {
     /// Messages handed to a consumer and neither acked nor nacked yet, by
     /// entry id (unique in this broker, so it is its own hash). The map
     /// keeps its capacity, so steady traffic allocates nothing.
-    unsettled: RefCell<HashMap<u64, Message, BuildHasherDefault<EntryIdHasher>>>,
+    unsettled: RefCell<HashMap<u64, Message, BuildIdentity>>,
     consumer_waker: Cell<Option<Waker>>,
     ended: Cell<bool>,
     /// Receives still to fail.
@@ -102,27 +102,6 @@ impl Topic {
         if let Some(waker) = self.settle_waker.take() {
             waker.wake();
         }
-    }
-}
-
-/// Hashes an entry id as itself: ids are distinct counters, so this spreads
-/// them as well as any hash, at no cost.
-#[derive(Default)]
-struct EntryIdHasher(u64);
-
-impl Hasher for EntryIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
     }
 }
 
