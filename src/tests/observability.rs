@@ -232,9 +232,14 @@ fn handlers_and_settlement_run_inside_a_span_per_message() {
         .with_writer(move || writer.clone())
         .with_ansi(false)
         .finish();
+    // With a single registered dispatcher, tracing-core computes a new
+    // callsite's interest from the registering thread's default alone, so a
+    // test on another thread that meets the engine's span first would cache
+    // "never" for everyone. A second, silent dispatcher makes every
+    // registration ask all live dispatchers, this test's included.
+    let _second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
     let _default = tracing::subscriber::set_default(subscriber);
-    // Other tests, on other threads, may have met the same callsites with
-    // no subscriber and cached "never".
+    // Callsites other threads registered before this point cached "never".
     tracing::callsite::rebuild_interest_cache();
     run_local(async {
         let (dispatcher, transport) = dispatcher(1);
