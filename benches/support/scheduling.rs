@@ -65,7 +65,8 @@ pub struct PickRun {
 /// Saturation on the pure scheduler, as the engine drives it: every
 /// subscription's slot starts full; then, `picks` times, the oldest of the
 /// `concurrency` permits in flight is released (once all are taken), the
-/// best message is dispatched and its slot is refilled at once. Every level
+/// best message is dispatched and its slot is refilled at once, in one
+/// round (as a worker's dispatch is). Every level
 /// always has a message waiting. Measures the counter `read` (a clock, or
 /// the allocation count) per pick (release + dispatch + insert) and counts
 /// the picks per level.
@@ -85,6 +86,7 @@ pub fn picks(setup: &Picks, picks: usize, read: fn() -> u64) -> PickRun {
         if in_flight.len() == setup.concurrency {
             scheduler.release(in_flight.pop_front().expect("a permit in flight"));
         }
+        scheduler.begin_round();
         let Some((permit, level)) = scheduler.try_dispatch() else {
             unreachable!("every slot is full and a permit is free");
         };
@@ -92,6 +94,7 @@ pub fn picks(setup: &Picks, picks: usize, read: fn() -> u64) -> PickRun {
         scheduler
             .try_insert(permit.subscription(), level)
             .expect("its slot was just emptied");
+        scheduler.end_round();
         in_flight.push_back(permit);
     }
     let per_pick = (read() - before) as f64 / picks.max(1) as f64;

@@ -58,7 +58,7 @@ use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{Outcome, SubscriptionInfo, Verdict};
 use crate::routing::{Action, DeadLetterTargets, Publish, PublishKind, RetryTopicCheck, Router};
-use crate::scheduler::{Permit, Rejected, Scheduler, SchedulingPolicy};
+use crate::scheduler::{HeldPermit, Permit, Rejected, Scheduler, SchedulingPolicy};
 use crate::transport::Transport;
 
 /// Where a dispatcher is in its life.
@@ -317,6 +317,14 @@ impl<T: Transport> Engine<T> {
     /// refilling each slot it empties. A message for the pool `keep` is
     /// returned instead, for the worker that asked to run it itself.
     pub(crate) fn dispatch(self: &Rc<Self>, keep: *const ()) -> Option<Job<T>> {
+        // One burst with no waiting in it: aging reads the clock once.
+        self.scheduler.borrow_mut().begin_round();
+        let kept = self.dispatch_round(keep);
+        self.scheduler.borrow_mut().end_round();
+        kept
+    }
+
+    fn dispatch_round(self: &Rc<Self>, keep: *const ()) -> Option<Job<T>> {
         if self.woken.any() {
             self.refill_woken();
         }
@@ -349,8 +357,8 @@ impl<T: Transport> Engine<T> {
     }
 
     /// Whether jobs handed to workers wait to start. A worker that picked
-    /// a job for itself lets them start first, so that handlers start in
-    /// the order their messages were picked.
+    /// a job for itself after them lets them start first, so that handlers
+    /// start in the order their messages were picked.
     pub(crate) fn handovers_pending(&self) -> bool {
         self.handovers.get() > 0
     }
@@ -370,28 +378,39 @@ impl<T: Transport> Engine<T> {
     }
 
     /// Takes the next message from the subscription's consumer if its slot
-    /// is empty and the dispatcher still receives.
+    /// is empty and the dispatcher still receives. A key-ordered
+    /// subscription takes more, up to its buffer, while every message it
+    /// holds waits for a busy key: the keys behind them must not wait too,
+    /// and nothing else would take them (a refill follows a dispatch).
     fn refill(&self, subscription: &Rc<Subscription<T>>) {
-        if self.phase() != Phase::Running
-            || !subscription.is_receiving()
-            || !self.scheduler.borrow().has_vacancy(subscription.key)
+        while self.phase() == Phase::Running
+            && subscription.is_receiving()
+            && self.scheduler.borrow().has_vacancy(subscription.key)
         {
+            let mut spare = self.spare();
+            let received = subscription.receive(&mut spare);
+            if let Received::Stored = received {
+                let queued = self.offer(subscription, spare);
+                if !queued || self.scheduler.borrow().holds_dispatchable(subscription.key) {
+                    return;
+                }
+                continue;
+            }
+            self.spares.borrow_mut().push(spare);
+            match received {
+                Received::RetryLater => self.watch_timers(subscription),
+                Received::Failed(failure) => self.fail(failure),
+                Received::Stored | Received::Nothing => {}
+            }
             return;
         }
-        let mut spare = self.spare();
-        match subscription.receive(&mut spare) {
-            Received::Stored => return self.offer(subscription, spare),
-            Received::Nothing => {}
-            Received::RetryLater => self.watch_timers(subscription),
-            Received::Failed(failure) => self.fail(failure),
-        }
-        self.spares.borrow_mut().push(spare);
     }
 
     /// Puts a received message in its subscription's slot. One that cannot
     /// be queued goes straight back to the broker; refilling only an empty
-    /// slot while running makes that a safety net.
-    fn offer(&self, subscription: &Rc<Subscription<T>>, message: MessageBox) {
+    /// slot while running makes that a safety net. Returns whether it was
+    /// queued.
+    fn offer(&self, subscription: &Rc<Subscription<T>>, message: MessageBox) -> bool {
         let order_key = subscription.order_key(message.get());
         let delivery = Delivery {
             subscription: subscription.clone(),
@@ -407,7 +426,9 @@ impl<T: Transport> Engine<T> {
             debug!(topic = %subscription.topic, message_id = %id, "not queued; nacking");
             subscription.nack_at_once(id);
             self.recycle(rejected.message);
+            return false;
         }
+        true
     }
 
     /// An empty box for the next message: a spare, or a new one while
@@ -423,6 +444,33 @@ impl<T: Transport> Engine<T> {
     pub(crate) fn recycle(&self, mut message: MessageBox) {
         *message.0 = None;
         self.spares.borrow_mut().push(message);
+    }
+
+    /// Gives the runtime a turn, keeping meanwhile the permit the caller's
+    /// job has just returned: a worker steps aside between jobs holding no
+    /// message (so no message waits picked but not started, and no key
+    /// stays busy) and without leaving its permit to be handed elsewhere.
+    pub(crate) async fn step_aside(&self) {
+        struct Holding<'a, T: Transport> {
+            engine: &'a Engine<T>,
+            permit: Option<HeldPermit>,
+        }
+        impl<T: Transport> Drop for Holding<'_, T> {
+            // Also when the worker is cancelled during its turn.
+            fn drop(&mut self) {
+                if let Some(permit) = self.permit.take() {
+                    self.engine.scheduler.borrow_mut().unhold(permit);
+                    if self.engine.phase() != Phase::Running {
+                        self.engine.woken.wake_engine();
+                    }
+                }
+            }
+        }
+        let _holding = Holding {
+            engine: self,
+            permit: self.scheduler.borrow_mut().hold(),
+        };
+        tokio::task::yield_now().await;
     }
 
     /// Returns a permit. The worker whose job ended dispatches next itself;
@@ -524,7 +572,7 @@ mod tests {
                 panic!("the message is there");
             };
             engine.scheduler.borrow_mut().close();
-            engine.offer(&subscription, message);
+            assert!(!engine.offer(&subscription, message));
             assert_eq!(transport.nacked("jobs"), [id], "at once, not after 60 s");
             assert!(engine.scheduler.borrow().has_vacancy(subscription.key));
             assert_eq!(engine.spares.borrow().len(), 1, "its box is reused");

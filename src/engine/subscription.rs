@@ -23,6 +23,7 @@ use super::stats::{bump, Counters, LatencyHistogram, SubscriptionStats};
 use super::wake::{SubscriptionWaker, WokenList};
 use super::{Handler, MessageBox};
 use crate::error::{Error, TransportError};
+use crate::hash::hash_key;
 use crate::message::{Message, MessageId};
 use crate::outcome::{SubscriptionInfo, Verdict};
 use crate::routing::RoutingPolicy;
@@ -191,9 +192,7 @@ impl<T: Transport> Subscription<T> {
             (None, Some(key)) => key,
             (None, None) => return None,
         };
-        let mut hasher = std::hash::DefaultHasher::new();
-        std::hash::Hasher::write(&mut hasher, key);
-        Some(std::hash::Hasher::finish(&hasher))
+        Some(hash_key(key))
     }
 
     /// Whether the consumer may still deliver, and the subscription is not

@@ -94,14 +94,18 @@ where
                     None => return,
                 },
             };
-            if !job.start() && (engine.handovers_pending() || in_this_poll >= JOBS_PER_POLL) {
-                // Messages handed to other workers earlier start first, in
-                // the order they were picked; and the runtime gets a turn.
+            if !job.start() && job.is_behind_handovers() {
+                // Messages handed to other workers before this one was
+                // picked start first, in the order they were picked.
                 in_this_poll = 0;
                 tokio::task::yield_now().await;
             }
             self.run(job, &engine).await;
             in_this_poll += 1;
+            if in_this_poll >= JOBS_PER_POLL {
+                in_this_poll = 0;
+                engine.step_aside().await;
+            }
             next = engine.dispatch(self.id());
         }
     }
@@ -247,6 +251,9 @@ pub(crate) struct Job<T: Transport> {
     since: Option<Instant>,
     /// Handed to a worker that has not started it yet.
     handed_over: bool,
+    /// Messages picked before it had been handed over and not started when
+    /// it was picked.
+    picked_behind_handovers: bool,
     finished: bool,
 }
 
@@ -258,6 +265,7 @@ impl<T: Transport> Job<T> {
         permit: Permit,
         since: Option<Instant>,
     ) -> Self {
+        let picked_behind_handovers = engine.handovers_pending();
         Job {
             engine,
             subscription,
@@ -265,6 +273,7 @@ impl<T: Transport> Job<T> {
             permit: Some(permit),
             since,
             handed_over: false,
+            picked_behind_handovers,
             finished: false,
         }
     }
@@ -283,6 +292,13 @@ impl<T: Transport> Job<T> {
             self.engine.handovers.set(self.engine.handovers.get() - 1);
         }
         handed_over
+    }
+
+    /// Whether a message picked before this one waits to start on another
+    /// worker. Messages picked after it, handed over by the same dispatch,
+    /// need not start first.
+    fn is_behind_handovers(&self) -> bool {
+        self.picked_behind_handovers && self.engine.handovers_pending()
     }
 
     /// The pool that runs this message's handler.

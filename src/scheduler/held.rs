@@ -1,6 +1,6 @@
 //! What one subscription holds in the scheduler: the messages it has
-//! received and not yet dispatched, and, for key ordering, which keys are
-//! in flight.
+//! received and not yet dispatched, and, for key ordering, how many
+//! messages held or in flight claim each key.
 //!
 //! Unordered and subscription-ordered subscriptions hold one message (the
 //! slot). A key-ordered subscription holds up to its buffer size: messages
@@ -8,10 +8,10 @@
 //! until a message with the same key, dispatched earlier, is released. Keys
 //! arrive hashed to a `u64`; a message without a key waits for no one.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::hash::BuildIdentity;
+use super::claims::Claims;
 
 /// A message waiting in the scheduler.
 pub(super) struct Waiting<M> {
@@ -29,13 +29,16 @@ pub(super) enum Held<M> {
 }
 
 pub(super) struct Keyed<M> {
-    /// Messages whose keys are free, in receive order.
+    /// Messages whose key no earlier message claims, in receive order.
     free: VecDeque<Waiting<M>>,
-    /// Messages whose key is in flight or claimed by an earlier message, in
+    /// Messages whose key an earlier message, held or in flight, claims, in
     /// receive order.
     parked: VecDeque<Waiting<M>>,
-    /// Keys of dispatched messages not released yet.
-    in_flight: HashSet<u64, BuildIdentity>,
+    /// For each key, how many of its messages are held or in flight.
+    ///
+    /// Invariant: a key with a claim has at most one message free or in
+    /// flight (the earliest); the rest are parked behind it.
+    claims: Claims,
     capacity: usize,
 }
 
@@ -46,14 +49,11 @@ impl<M> Held<M> {
         if !keyed {
             return Held::Slot(None);
         }
-        let mut in_flight = HashSet::default();
-        // Room for every key that can be in flight, so that steady traffic
-        // allocates nothing.
-        in_flight.reserve(concurrent);
         Held::Keyed(Keyed {
             free: VecDeque::with_capacity(capacity),
             parked: VecDeque::with_capacity(capacity),
-            in_flight,
+            // Room for every key that can be held or in flight at once.
+            claims: Claims::with_room(capacity + concurrent),
             capacity,
         })
     }
@@ -102,13 +102,7 @@ impl<M> Held<M> {
     pub(super) fn take_next(&mut self) -> Option<Waiting<M>> {
         match self {
             Held::Slot(slot) => slot.take(),
-            Held::Keyed(keyed) => {
-                let waiting = keyed.free.pop_front()?;
-                if let Some(key) = waiting.key {
-                    keyed.in_flight.insert(key);
-                }
-                Some(waiting)
-            }
+            Held::Keyed(keyed) => keyed.free.pop_front(),
         }
     }
 
@@ -116,7 +110,7 @@ impl<M> Held<M> {
     pub(super) fn take_any(&mut self) -> Option<Waiting<M>> {
         match self {
             Held::Slot(slot) => slot.take(),
-            Held::Keyed(keyed) => keyed.free.pop_front().or_else(|| keyed.parked.pop_front()),
+            Held::Keyed(keyed) => keyed.take_any(),
         }
     }
 
@@ -126,25 +120,48 @@ impl<M> Held<M> {
         let (Held::Keyed(keyed), Some(key)) = (self, key) else {
             return;
         };
-        keyed.in_flight.remove(&key);
-        if let Some(at) = keyed.parked.iter().position(|w| w.key == Some(key)) {
-            let unparked = keyed.parked.remove(at).expect("a parked message");
-            keyed.free.push_back(unparked);
-        }
+        keyed.release(key);
     }
 }
 
 impl<M> Keyed<M> {
     fn insert(&mut self, waiting: Waiting<M>) {
-        let claimed = waiting.key.is_some_and(|key| {
-            self.in_flight.contains(&key)
-                || self.free.iter().any(|w| w.key == Some(key))
-                || self.parked.iter().any(|w| w.key == Some(key))
-        });
-        if claimed {
-            self.parked.push_back(waiting);
-        } else {
+        let Some(key) = waiting.key else {
+            return self.free.push_back(waiting);
+        };
+        if self.claims.claim(key) == 1 {
             self.free.push_back(waiting);
+        } else {
+            self.parked.push_back(waiting);
+        }
+    }
+
+    /// Free messages go first, then parked ones, each in receive order.
+    fn take_any(&mut self) -> Option<Waiting<M>> {
+        if let Some(waiting) = self.free.pop_front() {
+            // Nothing of its key is in flight, so it was the key's holder.
+            if let Some(key) = waiting.key {
+                self.release(key);
+            }
+            return Some(waiting);
+        }
+        // With nothing free, the key of a parked message is in flight.
+        let waiting = self.parked.pop_front()?;
+        if let Some(key) = waiting.key {
+            self.claims.unclaim(key);
+        }
+        Some(waiting)
+    }
+
+    /// The key's holder (free or in flight) is gone: the earliest message
+    /// parked behind it becomes free.
+    fn release(&mut self, key: u64) {
+        if self.claims.unclaim(key) > 0 {
+            let at = self.parked.iter().position(|w| w.key == Some(key));
+            let unparked = self
+                .parked
+                .remove(at.expect("a claimed key has a parked message"));
+            self.free.push_back(unparked.expect("a parked message"));
         }
     }
 }

@@ -30,6 +30,7 @@
 //! scan and one pop, plus, for [`SchedulingPolicy::Aging`], one look per
 //! level within the aging bound of the best.
 
+mod claims;
 mod held;
 mod policy;
 
@@ -117,6 +118,14 @@ impl Permit {
     }
 }
 
+/// A permit taken without a message, by a worker that steps aside for a
+/// moment and dispatches right after: meanwhile no one else takes it, and
+/// it holds no message and no key. Give it back with
+/// [`Scheduler::unhold`].
+#[derive(Debug)]
+#[must_use = "a held permit not given back is lost"]
+pub struct HeldPermit(());
+
 struct Subscription<M> {
     level: usize,
     held: Held<M>,
@@ -165,6 +174,8 @@ pub struct Scheduler<M> {
     /// The level whose turn it is (weighted policy).
     turn: Option<usize>,
     clock: fn() -> Instant,
+    /// Inside a round, the time the aging policy read first in it.
+    round: Option<Option<Instant>>,
 }
 
 impl<M> std::fmt::Debug for Scheduler<M> {
@@ -202,6 +213,7 @@ impl<M> Scheduler<M> {
             reservations: Reservations::default(),
             turn: None,
             clock: Instant::now,
+            round: None,
         }
     }
 
@@ -209,6 +221,28 @@ impl<M> Scheduler<M> {
     pub fn with_clock(mut self, clock: fn() -> Instant) -> Self {
         self.clock = clock;
         self
+    }
+
+    /// Starts a dispatch round: until [`Scheduler::end_round`], the aging
+    /// policy reads the clock once, at its first insertion or pick, and
+    /// takes that time for all of them. A round is a burst of picks and
+    /// refills with no waiting in between, so the waits it measures are
+    /// off by at most the round's own length.
+    pub fn begin_round(&mut self) {
+        self.round = Some(None);
+    }
+
+    /// Ends the round begun by [`Scheduler::begin_round`].
+    pub fn end_round(&mut self) {
+        self.round = None;
+    }
+
+    /// The time for the aging policy: the round's, or the clock's.
+    fn now(&mut self) -> Instant {
+        match &mut self.round {
+            None => (self.clock)(),
+            Some(round) => *round.get_or_insert_with(self.clock),
+        }
     }
 
     /// Keeps `permits` permits for messages at `priority` or better: a
@@ -296,6 +330,13 @@ impl<M> Scheduler<M> {
         self.subscriptions[key.0].held.has_room()
     }
 
+    /// Whether the subscription holds a message it could dispatch now,
+    /// limits aside: false when it holds nothing, or, under key ordering,
+    /// only messages whose keys are busy.
+    pub fn holds_dispatchable(&self, key: SubscriptionKey) -> bool {
+        self.subscriptions[key.0].held.has_dispatchable()
+    }
+
     /// Puts `message` into the subscription's slot.
     pub fn try_insert(&mut self, key: SubscriptionKey, message: M) -> Result<(), Rejected<M>> {
         self.try_insert_keyed(key, message, None)
@@ -312,7 +353,7 @@ impl<M> Scheduler<M> {
         if self.closed {
             return Err(Rejected::Closed(message));
         }
-        let since = matches!(self.policy, SchedulingPolicy::Aging(_)).then(self.clock);
+        let since = matches!(self.policy, SchedulingPolicy::Aging(_)).then(|| self.now());
         let subscription = &mut self.subscriptions[key.0];
         if !subscription.held.has_room() {
             return Err(Rejected::Full(message));
@@ -383,7 +424,24 @@ impl<M> Scheduler<M> {
         self.requeue(permit.subscription);
     }
 
-    /// Number of dispatched messages whose permit has not come back yet.
+    /// Takes a free permit without a message, if one is free.
+    pub fn hold(&mut self) -> Option<HeldPermit> {
+        if self.available == 0 {
+            return None;
+        }
+        self.available -= 1;
+        Some(HeldPermit(()))
+    }
+
+    /// Gives back a permit taken by [`Scheduler::hold`].
+    pub fn unhold(&mut self, held: HeldPermit) {
+        let HeldPermit(()) = held;
+        assert!(self.available < self.concurrency, "permit given back twice");
+        self.available += 1;
+    }
+
+    /// Number of permits taken: by dispatched messages whose processing has
+    /// not ended, and held ones.
     pub fn in_flight(&self) -> usize {
         self.concurrency - self.available
     }
@@ -424,7 +482,8 @@ impl<M> Scheduler<M> {
             SchedulingPolicy::Weighted(_) => self.weighted_turn(best),
             SchedulingPolicy::Aging(aging) => {
                 let aging = *aging;
-                self.most_aged(best, &aging)
+                let now = self.now();
+                self.most_aged(best, &aging, now)
             }
         };
         // Reservations grow with the priority value, so if the chosen level
@@ -457,8 +516,7 @@ impl<M> Scheduler<M> {
     /// The level whose next message has the best priority once improved by
     /// its wait. Only levels within the largest boost of the best level can
     /// win, so only those are looked at.
-    fn most_aged(&self, best: usize, aging: &Aging) -> usize {
-        let now = (self.clock)();
+    fn most_aged(&self, best: usize, aging: &Aging, now: Instant) -> usize {
         let mut chosen = (best, i64::MAX);
         let mut next = Some(best);
         while let Some(index) = next {

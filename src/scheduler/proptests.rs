@@ -1,8 +1,8 @@
 //! The scheduler against a small reference model, on random sequences of
 //! operations: limits are never exceeded, strict picks take the best
 //! priority that may run, a key is never in flight twice and starts in
-//! order, and nothing is lost or handed out twice across add, remove and
-//! priority changes. Weighted shares converge to the weights.
+//! order, and nothing is lost or handed out twice across add, remove,
+//! priority changes and messages taken back. Weighted shares converge to the weights.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
@@ -30,6 +30,8 @@ enum Op {
         priority: i64,
     },
     Remove(usize),
+    /// Take a held message back without dispatching it.
+    TakeWaiting,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -44,6 +46,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0usize..8, 0i64..4)
             .prop_map(|(subscription, priority)| Op::SetPriority { subscription, priority }),
         1 => (0usize..8).prop_map(Op::Remove),
+        1 => Just(Op::TakeWaiting),
     ]
 }
 
@@ -207,6 +210,16 @@ fn check(concurrency: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 model.priority = priority;
                 prop_assert_eq!(s.priority(model.key), priority);
             }
+            Op::TakeWaiting => match s.take_waiting() {
+                None => prop_assert!(models.iter().all(|m| m.held.is_empty())),
+                Some((key, id)) => {
+                    let model = models.iter_mut().find(|m| m.key == key).unwrap();
+                    let index = model.held.iter().position(|(held, _)| *held == id);
+                    prop_assert!(index.is_some(), "{} was not held there", id);
+                    model.held.remove(index.unwrap());
+                    inserted.remove(&id);
+                }
+            },
             Op::Remove(subscription) => {
                 let Some(model) = models.get(subscription) else {
                     continue;

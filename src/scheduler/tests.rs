@@ -337,6 +337,44 @@ fn an_aged_message_overtakes_fresher_better_ones_up_to_the_bound() {
     assert_eq!(third, "high");
 }
 
+thread_local! {
+    static READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn counted_now() -> Instant {
+    READS.with(|reads| reads.set(reads.get() + 1));
+    fake_now()
+}
+
+#[test]
+fn within_a_round_aging_reads_the_clock_once() {
+    let policy = SchedulingPolicy::Aging(Aging::new(10.0, 15));
+    let mut s =
+        Scheduler::with_policy(NonZeroUsize::new(2).unwrap(), policy).with_clock(counted_now);
+    let high = s.add_subscription(10);
+    let low = s.add_subscription(20);
+    s.try_insert(low, "low").unwrap();
+    advance(Duration::from_secs(2));
+    let reads = || READS.with(|reads| reads.get());
+    let before = reads();
+    s.begin_round();
+    s.try_insert(high, "high").unwrap();
+    // low waited 2 s by the round's time: 20 - 15 (the bound) beats 10.
+    let (first, _) = s.try_dispatch().unwrap();
+    let (second, _) = s.try_dispatch().unwrap();
+    s.end_round();
+    assert_eq!(
+        reads() - before,
+        1,
+        "one read for an insertion and two picks"
+    );
+    assert_eq!((first.subscription(), second.subscription()), (low, high));
+    s.release(first);
+    s.release(second);
+    s.try_insert(low, "low").unwrap();
+    assert_eq!(reads() - before, 2, "outside a round every use reads it");
+}
+
 #[test]
 fn reserved_permits_are_left_for_better_levels() {
     let mut s = scheduler(3);
@@ -371,4 +409,24 @@ fn take_waiting_hands_back_every_held_message() {
     assert_eq!(taken, ["a1", "a2"]);
     assert!(s.is_idle());
     assert!(s.try_dispatch().is_none());
+}
+
+#[test]
+fn a_held_permit_is_no_one_elses_until_given_back() {
+    let mut s = scheduler(1);
+    let a = s.add(SubscriptionConfig::new(1));
+    let held = s.hold().expect("a free permit");
+    assert!(s.hold().is_none(), "the only permit is held");
+    s.try_insert(a, "a").unwrap();
+    assert!(
+        s.try_dispatch().is_none(),
+        "a held permit is not dispatched"
+    );
+    assert_eq!(s.in_flight(), 1);
+    assert!(!s.is_idle(), "shutdown waits for a held permit too");
+    s.unhold(held);
+    let (permit, message) = s.try_dispatch().expect("the permit is back");
+    assert_eq!(message, "a");
+    s.release(permit);
+    assert!(s.is_idle());
 }

@@ -238,6 +238,52 @@ fn key_ordering_serialises_a_key_and_runs_keys_side_by_side() {
 }
 
 #[test]
+fn a_busy_key_does_not_hold_back_the_keys_received_after_it() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(10);
+        // A backlog at subscribe: no new arrival will wake the reader.
+        let mut sent = Vec::new();
+        for (n, key) in ["a", "a", "a", "b", "c"].iter().enumerate() {
+            let message = OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key);
+            sent.push(transport.send_message("orders", message));
+        }
+        let gate = Gate::default();
+        let log = Log::default();
+        let (wait, record) = (gate.clone(), log.clone());
+        dispatcher
+            .subscribe(
+                "orders",
+                async move |message: &Message| {
+                    if message.partition_key() == Some("a") {
+                        wait.wait().await;
+                    }
+                    let name = String::from_utf8_lossy(message.payload()).into_owned();
+                    record.borrow_mut().push(name);
+                    Ok::<_, Infallible>(())
+                },
+                options(1).ordering(Ordering::Key).key_buffer(4),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        // A guard against a hang, not a timing goal.
+        let others = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            transport.wait_acked("orders", 2),
+        )
+        .await;
+        assert!(others.is_ok(), "b and c waited behind the busy key a");
+        assert_eq!(transport.acked("orders"), sent[3..]);
+        gate.open();
+        transport.wait_acked("orders", 5).await;
+        assert_eq!(*log.borrow(), ["b3", "c4", "a0", "a1", "a2"]);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+#[test]
 fn subscription_ordering_runs_one_at_a_time_in_order() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(10);
