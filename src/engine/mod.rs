@@ -187,6 +187,9 @@ pub(crate) struct Engine<T: Transport> {
     spares: RefCell<Vec<MessageBox>>,
     /// Jobs handed to a worker that has not started them yet.
     handovers: Cell<usize>,
+    /// The best priority among them (or since their count was last zero:
+    /// a bound, never better than the truth).
+    best_handed_over: Cell<i64>,
     /// The serial number of the next subscription.
     next_serial: Cell<u64>,
     /// Woken when a subscription being removed releases a message.
@@ -285,6 +288,7 @@ impl<T: Transport> Engine<T> {
             woken_buffer: RefCell::default(),
             spares: RefCell::default(),
             handovers: Cell::new(0),
+            best_handed_over: Cell::new(i64::MAX),
             next_serial: Cell::new(0),
             drained: Notify::new(),
             timed: RefCell::default(),
@@ -356,11 +360,28 @@ impl<T: Transport> Engine<T> {
         self.scheduler.borrow().priority(subscription.key)
     }
 
-    /// Whether jobs handed to workers wait to start. A worker that picked
-    /// a job for itself after them lets them start first, so that handlers
-    /// start in the order their messages were picked.
-    pub(crate) fn handovers_pending(&self) -> bool {
-        self.handovers.get() > 0
+    /// A job picked at `priority` was handed to a worker.
+    pub(crate) fn handed_over(&self, priority: i64) {
+        self.handovers.set(self.handovers.get() + 1);
+        self.best_handed_over
+            .set(self.best_handed_over.get().min(priority));
+    }
+
+    /// A handed-over job started.
+    pub(crate) fn handover_started(&self) {
+        let left = self.handovers.get() - 1;
+        self.handovers.set(left);
+        if left == 0 {
+            self.best_handed_over.set(i64::MAX);
+        }
+    }
+
+    /// Whether a job handed to a worker, not started yet, may have a better
+    /// priority than `priority`. A worker that picked a job for itself
+    /// lets such jobs start first, so that no handler starts before one of
+    /// a better priority picked earlier.
+    pub(crate) fn better_handover_pending(&self, priority: i64) -> bool {
+        self.handovers.get() > 0 && self.best_handed_over.get() < priority
     }
 
     fn refill_woken(&self) {

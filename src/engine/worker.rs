@@ -94,9 +94,9 @@ where
                     None => return,
                 },
             };
-            if !job.start() && job.is_behind_handovers() {
-                // Messages handed to other workers before this one was
-                // picked start first, in the order they were picked.
+            if !job.start() && job.is_behind_better() {
+                // Better messages handed to other workers before this one
+                // was picked start first.
                 in_this_poll = 0;
                 tokio::task::yield_now().await;
             }
@@ -251,9 +251,11 @@ pub(crate) struct Job<T: Transport> {
     since: Option<Instant>,
     /// Handed to a worker that has not started it yet.
     handed_over: bool,
-    /// Messages picked before it had been handed over and not started when
-    /// it was picked.
-    picked_behind_handovers: bool,
+    /// The priority it was picked at.
+    priority: i64,
+    /// When it was picked, a message of a better priority picked earlier
+    /// had been handed to a worker and not started.
+    picked_behind_better: bool,
     finished: bool,
 }
 
@@ -265,7 +267,8 @@ impl<T: Transport> Job<T> {
         permit: Permit,
         since: Option<Instant>,
     ) -> Self {
-        let picked_behind_handovers = engine.handovers_pending();
+        let priority = permit.priority();
+        let picked_behind_better = engine.better_handover_pending(priority);
         Job {
             engine,
             subscription,
@@ -273,7 +276,8 @@ impl<T: Transport> Job<T> {
             permit: Some(permit),
             since,
             handed_over: false,
-            picked_behind_handovers,
+            priority,
+            picked_behind_better,
             finished: false,
         }
     }
@@ -281,7 +285,7 @@ impl<T: Transport> Job<T> {
     /// Hands the job to a worker of its handler.
     pub(crate) fn hand_over(mut self) {
         self.handed_over = true;
-        self.engine.handovers.set(self.engine.handovers.get() + 1);
+        self.engine.handed_over(self.priority);
         self.subscription.handler.pool.clone().assign(self);
     }
 
@@ -289,16 +293,17 @@ impl<T: Transport> Job<T> {
     fn start(&mut self) -> bool {
         let handed_over = std::mem::take(&mut self.handed_over);
         if handed_over {
-            self.engine.handovers.set(self.engine.handovers.get() - 1);
+            self.engine.handover_started();
         }
         handed_over
     }
 
-    /// Whether a message picked before this one waits to start on another
-    /// worker. Messages picked after it, handed over by the same dispatch,
-    /// need not start first.
-    fn is_behind_handovers(&self) -> bool {
-        self.picked_behind_handovers && self.engine.handovers_pending()
+    /// Whether a message of a better priority, picked before this one,
+    /// waits to start on another worker. Messages of its own priority or
+    /// worse may start after it: that breaks no priority order, and key
+    /// ordering holds by the scheduler's claims whatever the start order.
+    fn is_behind_better(&self) -> bool {
+        self.picked_behind_better && self.engine.better_handover_pending(self.priority)
     }
 
     /// The pool that runs this message's handler.

@@ -109,12 +109,18 @@ pub enum Rejected<M> {
 pub struct Permit {
     subscription: SubscriptionKey,
     key: Option<u64>,
+    priority: i64,
 }
 
 impl Permit {
     /// The subscription the message came from.
     pub fn subscription(&self) -> SubscriptionKey {
         self.subscription
+    }
+
+    /// The priority its message was picked at.
+    pub fn priority(&self) -> i64 {
+        self.priority
     }
 }
 
@@ -394,6 +400,7 @@ impl<M> Scheduler<M> {
         let permit = Permit {
             subscription: key,
             key: waiting.key,
+            priority: self.levels[level].priority,
         };
         Some((permit, waiting.message))
     }
