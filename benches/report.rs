@@ -35,7 +35,9 @@
 //!
 //! `--profile WHAT` runs one workload once (for `valgrind --tool=callgrind`):
 //! `ours`, `ours-k1000`, `ours-k1000-l16`, `ours-keyed` (64 keys, key
-//! ordering), `ours-keyed-unordered`, `floor`, `plain`, `mt`, `idle`,
+//! ordering), `ours-keyed-unordered`, `ours-info` and `ours-prometheus`
+//! (ours with an `info` subscriber or a Prometheus recorder installed),
+//! `floor`, `plain`, `mt`, `idle`,
 //! `open-loop-<percent>`, `inversion`, `per-core-<n>`, `features` (this
 //! section of the report at its quick sizes); on the broker,
 //! `e2e-q<N>` (ours then the plain loop at receiver queue N) and
@@ -1120,6 +1122,8 @@ fn profile(what: &str) {
         "ours" => on_local(support::ours(workload)),
         "ours-k1000" => on_local(support::ours(Workload::new(1000, 20, messages))),
         "ours-k1000-l16" => on_local(support::ours(Workload::new(1000, 20, messages).levels(16))),
+        "ours-info" => features::with_info_subscriber(|| on_local(support::ours(workload))),
+        "ours-prometheus" => features::with_prometheus(|| on_local(support::ours(workload))),
         "ours-keyed" => on_local(support::ours(workload.keyed(64, MessageOrdering::Key))),
         "ours-keyed-unordered" => on_local(support::ours(
             workload.keyed(64, MessageOrdering::Unordered),
@@ -1182,7 +1186,7 @@ fn profile(what: &str) {
             }
             panic!(
                 "unknown profile target {other}; use ours, ours-k1000, ours-k1000-l16, floor, \
-                 plain, mt, ours-keyed, ours-keyed-unordered, features, idle, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
+                 plain, mt, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
                  e2e-ours, e2e-raw or e2e-transport"
             )
         }

@@ -89,7 +89,7 @@ fn dispatch_ns(workload: Workload) -> f64 {
 
 /// Ours with a Prometheus recorder installed on this thread for the run
 /// (the recorder is built, not exported: rendering is the scraper's cost).
-fn with_prometheus<T>(run: impl FnOnce() -> T) -> T {
+pub fn with_prometheus<T>(run: impl FnOnce() -> T) -> T {
     let recorder = PrometheusBuilder::new().build_recorder();
     let _installed = metrics::set_default_local_recorder(&recorder);
     run()
@@ -97,7 +97,7 @@ fn with_prometheus<T>(run: impl FnOnce() -> T) -> T {
 
 /// Ours with a `fmt` subscriber at `info`, writing to a sink, installed on
 /// this thread for the run.
-fn with_info_subscriber<T>(run: impl FnOnce() -> T) -> T {
+pub fn with_info_subscriber<T>(run: impl FnOnce() -> T) -> T {
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(LevelFilter::INFO)
         .with_writer(std::io::sink)
