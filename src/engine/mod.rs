@@ -187,8 +187,9 @@ pub(crate) struct Engine<T: Transport> {
     spares: RefCell<Vec<MessageBox>>,
     /// Jobs handed to a worker that has not started them yet.
     handovers: Cell<usize>,
-    /// The best priority among them (or since their count was last zero:
-    /// a bound, never better than the truth).
+    /// The best priority handed over since their count was last zero: as
+    /// good as the best of those still pending or better, so a wait for a
+    /// better one is sometimes taken needlessly but never skipped.
     best_handed_over: Cell<i64>,
     /// The serial number of the next subscription.
     next_serial: Cell<u64>,

@@ -101,8 +101,10 @@ impl Claims {
         self.slots[hole] = Slot::default();
     }
 
-    /// Doubles the table. Only a subscription whose limits grew after it
-    /// was added can get here.
+    /// Doubles the table. A safety net: the table is sized for every key
+    /// a subscription can claim at once (its buffer plus its permits, which
+    /// do not change after it is added), so traffic does not get here; if
+    /// it did, probing a full table would never end.
     fn grow(&mut self) {
         let old = std::mem::replace(self, Claims::with_room(self.slots.len()));
         for slot in old.slots.iter().filter(|slot| slot.count != 0) {
