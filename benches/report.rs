@@ -1131,6 +1131,29 @@ fn profile(what: &str) {
         "floor" => on_local(support::floor(20, messages)),
         "plain" => on_local(support::plain_loop(messages)),
         "mt" => mt_port::run(&mt_port::runtime(), workload),
+        "side-by-side" => {
+            // The four in-memory implementations, as the report runs them
+            // (quick sizes), for a quick check of the ratios.
+            let quick = Options {
+                quick: true,
+                e2e: false,
+                out: PathBuf::new(),
+            };
+            let s = side_by_side(&quick.sizes(), &mt_port::runtime());
+            println!(
+                "ours {:.0} ns ({:.0} cpu), floor {:.0}, plain {:.0}, port cpu {:.0}: \
+                 vs floor {:.2}x, vs plain {:.2}x, port {:.1}x",
+                s.ours.0,
+                s.ours.1,
+                s.floor.1,
+                s.plain.1,
+                s.mt.1,
+                s.ours.1 / s.floor.1,
+                s.ours.1 / s.plain.1,
+                s.mt.1 / s.ours.1
+            );
+            return;
+        }
         "features" => {
             let mut report = Map::new();
             let quick = Options {
@@ -1186,7 +1209,7 @@ fn profile(what: &str) {
             }
             panic!(
                 "unknown profile target {other}; use ours, ours-k1000, ours-k1000-l16, floor, \
-                 plain, mt, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
+                 plain, mt, side-by-side, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
                  e2e-ours, e2e-raw or e2e-transport"
             )
         }

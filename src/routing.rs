@@ -147,7 +147,9 @@ pub(crate) struct RoutingPolicy {
 /// settle by the publish's result.
 pub(crate) enum Action {
     Settle(Verdict),
-    Publish(Publish),
+    /// Boxed: a publish is the rare path, and the common one (a verdict)
+    /// then stays a few bytes that cost nothing to move.
+    Publish(Box<Publish>),
 }
 
 /// A reply, retry or dead letter to publish before settling.
@@ -280,7 +282,7 @@ impl<T: Transport> Router<T> {
     pub(crate) fn publish<'a>(
         &'a self,
         transport: &'a T,
-        publish: Publish,
+        publish: Box<Publish>,
         message: &'a Message,
     ) -> LocalBoxFuture<'a, Verdict> {
         Box::pin(async move {
@@ -288,7 +290,7 @@ impl<T: Transport> Router<T> {
                 kind,
                 topic,
                 outgoing,
-            } = publish;
+            } = *publish;
             let published = self.producers.send(transport, &topic, outgoing).await;
             self.ack_if_published(published, kind.describe(), &topic, message)
         })
@@ -305,11 +307,11 @@ impl<T: Transport> Router<T> {
         let failure = match outcome {
             Outcome::Succeeded(reply) => {
                 return match (&policy.reply_topic, reply) {
-                    (Some(reply_topic), Some(reply)) => Action::Publish(Publish {
+                    (Some(reply_topic), Some(reply)) => Action::Publish(Box::new(Publish {
                         kind: PublishKind::Reply,
                         topic: reply_topic.clone(),
                         outgoing: OutgoingMessage::new(reply),
-                    }),
+                    })),
                     _ => Action::Settle(Verdict::Ack),
                 };
             }
@@ -336,20 +338,20 @@ impl<T: Transport> Router<T> {
                 let (outgoing, delay) =
                     retry_message(message, retry, policy.dead_letter_topic.as_deref());
                 info!(%topic, message_id = %id, %error, retry_topic = %retry.topic, ?delay, "handler failed; retrying later");
-                Action::Publish(Publish {
+                Action::Publish(Box::new(Publish {
                     kind: PublishKind::Retry,
                     topic: retry.topic.clone(),
                     outgoing,
-                })
+                }))
             }
             Route::DeadLetter => match self.dead_letter_destination(policy, message) {
                 Some(destination) => {
                     warn!(%topic, message_id = %id, %error, dead_letter_topic = %destination, "handler failed; dead-lettering");
-                    Action::Publish(Publish {
+                    Action::Publish(Box::new(Publish {
                         kind: PublishKind::DeadLetter,
                         topic: destination,
                         outgoing: dead_letter_message(message),
-                    })
+                    }))
                 }
                 None => {
                     warn!(%topic, message_id = %id, %error, "no dead letter topic; nacking");

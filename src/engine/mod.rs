@@ -211,6 +211,8 @@ pub(crate) struct Engine<T: Transport> {
     /// last set.
     timers_changed: Cell<bool>,
     timings: bool,
+    /// Whether the scheduling policy is aging, the one that reads a clock.
+    aging: bool,
     metrics_interval: Option<Duration>,
     next_publish: Cell<Option<Instant>>,
     permits_gauge: ::metrics::Gauge,
@@ -274,6 +276,7 @@ impl<T: Transport> Engine<T> {
         if settings.metrics_interval.is_some() {
             metrics::describe();
         }
+        let aging = matches!(settings.scheduling, SchedulingPolicy::Aging(_));
         let mut scheduler = Scheduler::with_policy(concurrency, settings.scheduling);
         for (priority, permits) in settings.reservations {
             scheduler.reserve(priority, permits);
@@ -300,6 +303,7 @@ impl<T: Transport> Engine<T> {
             cancelled: Cell::new(0),
             timers_changed: Cell::new(true),
             timings: settings.timings,
+            aging,
             metrics_interval: settings.metrics_interval,
             next_publish: Cell::new(None),
             permits_gauge: metrics::permits_available(),
@@ -322,6 +326,9 @@ impl<T: Transport> Engine<T> {
     /// refilling each slot it empties. A message for the pool `keep` is
     /// returned instead, for the worker that asked to run it itself.
     pub(crate) fn dispatch(self: &Rc<Self>, keep: *const ()) -> Option<Job<T>> {
+        if !self.aging {
+            return self.dispatch_round(keep);
+        }
         // One burst with no waiting in it: aging reads the clock once.
         self.scheduler.borrow_mut().begin_round();
         let kept = self.dispatch_round(keep);
@@ -533,7 +540,7 @@ impl<T: Transport> Engine<T> {
         &self,
         subscription: &Subscription<T>,
         message: &Message,
-        publish: Publish,
+        publish: Box<Publish>,
     ) -> Verdict {
         let counters = &subscription.counters;
         let published = match publish.kind() {

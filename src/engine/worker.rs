@@ -100,7 +100,8 @@ where
                 in_this_poll = 0;
                 tokio::task::yield_now().await;
             }
-            self.run(job, &engine).await;
+            self.run(&mut job, &engine).await;
+            drop(job);
             in_this_poll += 1;
             if in_this_poll >= JOBS_PER_POLL {
                 in_this_poll = 0;
@@ -112,7 +113,7 @@ where
 
     /// Runs the handler on the job's message where it is stored, then
     /// settles the message by the handler's outcome.
-    async fn run(&self, job: Job<T>, engine: &Engine<T>) {
+    async fn run(&self, job: &mut Job<T>, engine: &Engine<T>) {
         let span = job.span(engine);
         let started = job.since.map(|_| Instant::now());
         let handler: &F = job.handler();
@@ -149,7 +150,6 @@ where
         // is a bug that must not pass unnoticed. The job's guard still
         // nacks the message and returns the permit. The common outcomes
         // settle without awaiting; only a publish is a future.
-        let mut job = job;
         let concluded = std::panic::catch_unwind(AssertUnwindSafe(|| job.conclude(outcome)));
         drop(entered);
         let failed = match concluded {
@@ -251,8 +251,6 @@ pub(crate) struct Job<T: Transport> {
     since: Option<Instant>,
     /// Handed to a worker that has not started it yet.
     handed_over: bool,
-    /// The priority it was picked at.
-    priority: i64,
     /// When it was picked, a message of a better priority picked earlier
     /// had been handed to a worker and not started.
     picked_behind_better: bool,
@@ -276,7 +274,6 @@ impl<T: Transport> Job<T> {
             permit: Some(permit),
             since,
             handed_over: false,
-            priority,
             picked_behind_better,
             finished: false,
         }
@@ -285,7 +282,7 @@ impl<T: Transport> Job<T> {
     /// Hands the job to a worker of its handler.
     pub(crate) fn hand_over(mut self) {
         self.handed_over = true;
-        self.engine.handed_over(self.priority);
+        self.engine.handed_over(self.priority());
         self.subscription.handler.pool.clone().assign(self);
     }
 
@@ -303,7 +300,15 @@ impl<T: Transport> Job<T> {
     /// worse may start after it: that breaks no priority order, and key
     /// ordering holds by the scheduler's claims whatever the start order.
     fn is_behind_better(&self) -> bool {
-        self.picked_behind_better && self.engine.better_handover_pending(self.priority)
+        self.picked_behind_better && self.engine.better_handover_pending(self.priority())
+    }
+
+    /// The priority it was picked at.
+    fn priority(&self) -> i64 {
+        self.permit
+            .as_ref()
+            .expect("a job holds its permit until it ends")
+            .priority()
     }
 
     /// The pool that runs this message's handler.
@@ -343,7 +348,7 @@ impl<T: Transport> Job<T> {
 
     /// Routes the outcome and, when that takes no publish, settles the
     /// message; otherwise returns what to publish first.
-    fn conclude(&mut self, outcome: Outcome) -> Option<Publish> {
+    fn conclude(&mut self, outcome: Outcome) -> Option<Box<Publish>> {
         match self
             .engine
             .route(&self.subscription, self.message(), outcome)
@@ -359,7 +364,7 @@ impl<T: Transport> Job<T> {
 
     /// Publishes a reply, retry or dead letter, then settles the message by
     /// how the publish went.
-    async fn publish_and_settle(mut self, publish: Publish) {
+    async fn publish_and_settle(&mut self, publish: Box<Publish>) {
         let verdict = self
             .engine
             .publish(&self.subscription, self.message(), publish)

@@ -142,6 +142,7 @@ struct Subscription<M> {
 }
 
 impl<M> Subscription<M> {
+    #[inline]
     fn is_ready(&self) -> bool {
         self.held.has_dispatchable() && self.in_flight < self.limit
     }
@@ -548,7 +549,8 @@ impl<M> Scheduler<M> {
     // ----- ready queues and levels -----
 
     /// Puts a subscription in its level's ready queue if it may run and is
-    /// not there yet; takes it out if it may not.
+    /// not there yet.
+    #[inline(always)]
     fn requeue(&mut self, key: SubscriptionKey) {
         let subscription = &mut self.subscriptions[key.0];
         if subscription.queued || !subscription.is_ready() {
