@@ -20,6 +20,11 @@
 //! metrics), and walk shutdown's phases. Subscribing and unsubscribing
 //! (`registry`) happen beside it, at any time. Everything is on one thread;
 //! no `RefCell` borrow is held across an `.await`.
+//!
+//! The small functions every message passes through (settling, routing,
+//! returning the permit, recycling the box) are `#[inline(always)]`: the
+//! optimizer kept them out of line even with LTO, and the calls cost about
+//! 30 instructions per message under callgrind.
 
 mod health;
 mod lifecycle;
@@ -470,6 +475,7 @@ impl<T: Transport> Engine<T> {
     }
 
     /// Takes an emptied message box back for the next message.
+    #[inline(always)]
     pub(crate) fn recycle(&self, mut message: MessageBox) {
         *message.0 = None;
         self.spares.borrow_mut().push(message);
@@ -505,6 +511,7 @@ impl<T: Transport> Engine<T> {
     /// Returns a permit. The worker whose job ended dispatches next itself;
     /// otherwise (`wake`), and whenever shutdown waits for the last permit,
     /// the engine task is woken.
+    #[inline(always)]
     pub(crate) fn release_permit(&self, permit: Permit, wake: bool) {
         self.scheduler.borrow_mut().release(permit);
         if wake || self.phase() != Phase::Running {
@@ -518,6 +525,7 @@ impl<T: Transport> Engine<T> {
     /// Decides at once, without awaiting: what most outcomes need (an ack
     /// or a nack) comes back as [`Action::Settle`]; a reply, retry or dead
     /// letter comes back as [`Action::Publish`], for [`publish`](Self::publish).
+    #[inline(always)]
     pub(crate) fn route(
         &self,
         subscription: &Subscription<T>,

@@ -302,6 +302,7 @@ impl<T: Transport> Subscription<T> {
     /// Tells the broker the verdict on a message, now or, for a nack with a
     /// delay, once the delay has passed. Returns whether it held a nack
     /// back, which the engine's timer must then cover.
+    #[inline(always)]
     pub(crate) fn settle(&self, verdict: Verdict, id: &MessageId) -> bool {
         if verdict == Verdict::Ack || self.nack_delay.is_zero() {
             self.send(verdict, id);
@@ -319,6 +320,7 @@ impl<T: Transport> Subscription<T> {
         self.send(Verdict::Nack, id);
     }
 
+    #[inline(always)]
     fn send(&self, verdict: Verdict, id: &MessageId) {
         let sent = match self.consumer.borrow_mut().as_mut() {
             Some(consumer) => match verdict {

@@ -348,6 +348,7 @@ impl<T: Transport> Job<T> {
 
     /// Routes the outcome and, when that takes no publish, settles the
     /// message; otherwise returns what to publish first.
+    #[inline(always)]
     fn conclude(&mut self, outcome: Outcome) -> Option<Box<Publish>> {
         match self
             .engine
@@ -373,6 +374,7 @@ impl<T: Transport> Job<T> {
         self.finished = true;
     }
 
+    #[inline(always)]
     fn settle(&self, verdict: Verdict) {
         let id = self.message().id();
         if self.subscription.settle(verdict, id) {
