@@ -13,6 +13,7 @@
 //! runtime, so that the broker connection's tasks and timers keep running.
 
 use std::cell::{Cell, RefCell};
+use std::future::Future;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
@@ -117,26 +118,18 @@ where
         let span = job.span(engine);
         let started = job.since.map(|_| Instant::now());
         let handler: &F = job.handler();
-        let handled = AssertUnwindSafe(handler(job.message()))
-            .catch_unwind()
-            .instrument(span.clone());
-        let handled = match job.subscription.processing_timeout {
-            None => Some(handled.await),
-            // The handler's future is dropped at the deadline.
-            Some(limit) => {
-                let deadline = Instant::now() + limit;
-                job.subscription.started_with_deadline(deadline);
-                let handled = tokio::time::timeout_at(deadline, handled).await.ok();
-                job.subscription.finished_with_deadline(deadline);
-                handled
-            }
+        let handled = AssertUnwindSafe(handler(job.message())).catch_unwind();
+        let subscription = &job.subscription;
+        let handled = match &span {
+            None => within_deadline(handled, subscription).await,
+            Some(span) => within_deadline(handled.instrument(span.clone()), subscription).await,
         };
         if let (Some(since), Some(started)) = (job.since, started) {
             let ran = started.elapsed();
             job.subscription
                 .record_timings(started.saturating_duration_since(since), ran);
         }
-        let entered = span.enter();
+        let entered = span.as_ref().map(tracing::Span::enter);
         let outcome = match handled {
             Some(Ok(result)) => Outcome::of(result),
             Some(Err(panic)) => Outcome::panicked(panic.as_ref()),
@@ -154,11 +147,14 @@ where
         drop(entered);
         let failed = match concluded {
             Ok(None) => return,
-            Ok(Some(publish)) => AssertUnwindSafe(job.publish_and_settle(publish))
-                .catch_unwind()
-                .instrument(span)
-                .await
-                .err(),
+            Ok(Some(publish)) => {
+                let published = AssertUnwindSafe(job.publish_and_settle(publish)).catch_unwind();
+                match span {
+                    None => published.await,
+                    Some(span) => published.instrument(span).await,
+                }
+                .err()
+            }
             Err(panic) => Some(panic),
         };
         if let Some(panic) = failed {
@@ -232,6 +228,22 @@ where
             }
         }
     }
+}
+
+/// Runs a handler's future to its end, or, with a processing timeout, until
+/// the deadline (`None`), when the future is dropped.
+async fn within_deadline<T: Transport, H: Future>(
+    handled: H,
+    subscription: &Subscription<T>,
+) -> Option<H::Output> {
+    let Some(limit) = subscription.processing_timeout else {
+        return Some(handled.await);
+    };
+    let deadline = Instant::now() + limit;
+    subscription.started_with_deadline(deadline);
+    let handled = tokio::time::timeout_at(deadline, handled).await.ok();
+    subscription.finished_with_deadline(deadline);
+    handled
 }
 
 /// One dispatched message: its permit, its storage and its settlement.
@@ -318,16 +330,23 @@ impl<T: Transport> Job<T> {
 
     /// The span the message's handling runs in: topic, message id,
     /// priority and redelivery count, at debug level, so that a subscriber
-    /// at info pays one check for it.
-    fn span(&self, engine: &Engine<T>) -> tracing::Span {
+    /// at info pays one check for it. `None` when no subscriber wants it,
+    /// so that the handler then runs with no span to enter, clone or drop.
+    fn span(&self, engine: &Engine<T>) -> Option<tracing::Span> {
+        // The macro's own first check, made here so that nothing else of
+        // it runs when no subscriber takes debug spans at all.
+        if tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG {
+            return None;
+        }
         let message = self.message();
-        tracing::debug_span!(
+        let span = tracing::debug_span!(
             "message",
             topic = %message.topic(),
             message_id = %message.id(),
             priority = engine.priority_of(&self.subscription),
             redelivery_count = message.redelivery_count(),
-        )
+        );
+        (!span.is_disabled()).then_some(span)
     }
 
     /// The handler value, as the type its pool runs.
