@@ -296,37 +296,49 @@ impl<T: Transport> Router<T> {
         })
     }
 
-    /// What becomes of a handled message; logs failures.
+    /// What becomes of a handled message; logs failures. Success, the
+    /// common case, is decided inline; the rest (logging, retry and dead
+    /// letter) out of line.
+    #[inline(always)]
     pub(crate) fn decide(
         &self,
         policy: &RoutingPolicy,
         message: &Message,
         outcome: Outcome,
     ) -> Action {
+        match outcome {
+            Outcome::Succeeded(reply) => match (&policy.reply_topic, reply) {
+                (Some(reply_topic), Some(reply)) => Action::Publish(Box::new(Publish {
+                    kind: PublishKind::Reply,
+                    topic: reply_topic.clone(),
+                    outgoing: OutgoingMessage::new(reply),
+                })),
+                _ => Action::Settle(Verdict::Ack),
+            },
+            failure => self.decide_failure(policy, message, failure),
+        }
+    }
+
+    /// What becomes of a message whose handler failed, panicked or ran out
+    /// of time.
+    #[inline(never)]
+    fn decide_failure(
+        &self,
+        policy: &RoutingPolicy,
+        message: &Message,
+        failure: Outcome,
+    ) -> Action {
         let (topic, id) = (message.topic(), message.id());
-        let failure = match outcome {
-            Outcome::Succeeded(reply) => {
-                return match (&policy.reply_topic, reply) {
-                    (Some(reply_topic), Some(reply)) => Action::Publish(Box::new(Publish {
-                        kind: PublishKind::Reply,
-                        topic: reply_topic.clone(),
-                        outgoing: OutgoingMessage::new(reply),
-                    })),
-                    _ => Action::Settle(Verdict::Ack),
-                };
-            }
+        let (route, error): (Route, &dyn std::fmt::Display) = match &failure {
             Outcome::Panicked(panic) => {
                 error!(%topic, message_id = %id, %panic, "handler panicked; nacking");
                 return Action::Settle(Verdict::Nack);
             }
-            failure => failure,
-        };
-        let (route, error): (Route, &dyn std::fmt::Display) = match &failure {
             Outcome::Failed(error) => (policy.classify(error.as_ref(), message), error),
             // A handler that ran out of time failed in a way worth trying
             // again later, whatever its error would have been.
             Outcome::TimedOut(deadline) => (policy.retry_route(message), deadline),
-            Outcome::Succeeded(_) | Outcome::Panicked(_) => unreachable!("returned above"),
+            Outcome::Succeeded(_) => unreachable!("decided inline"),
         };
         match route {
             Route::Nack => {

@@ -229,9 +229,14 @@ impl<T: Transport> Subscription<T> {
     /// failed receive is waiting to be retried. A message goes straight
     /// into `into`, where it stays until it is settled.
     pub(crate) fn receive(&self, into: &mut MessageBox) -> Received {
-        if let Some(retry_at) = self.failures.borrow().retry_at {
-            if Instant::now() < retry_at {
-                return Received::Nothing;
+        // One look at the failure state, kept for after the poll: nothing
+        // between here and there changes it.
+        let failing = self.failures.borrow().in_a_row > 0;
+        if failing {
+            if let Some(retry_at) = self.failures.borrow().retry_at {
+                if Instant::now() < retry_at {
+                    return Received::Nothing;
+                }
             }
         }
         let mut cx = Context::from_waker(&self.waker);
@@ -243,7 +248,7 @@ impl<T: Transport> Subscription<T> {
             Poll::Pending => Received::Nothing,
             Poll::Ready(Some(Ok(message))) => {
                 bump(&self.counters.received);
-                if self.failures.borrow().in_a_row > 0 {
+                if failing {
                     self.recovered();
                 }
                 into.put(message);

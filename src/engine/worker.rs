@@ -85,16 +85,9 @@ where
             job: Cell::new(None),
             waker: Cell::new(None),
         });
-        let mut next = Some(first);
+        let mut job = first;
         let mut in_this_poll = 0;
         loop {
-            let mut job = match next.take() {
-                Some(job) => job,
-                None => match self.wait_for_job(&inbox).await {
-                    Some(job) => job,
-                    None => return,
-                },
-            };
             if !job.start() && job.is_behind_better() {
                 // Better messages handed to other workers before this one
                 // was picked start first.
@@ -108,7 +101,13 @@ where
                 in_this_poll = 0;
                 engine.step_aside().await;
             }
-            next = engine.dispatch(self.id());
+            job = match engine.dispatch(self.id()) {
+                Some(job) => job,
+                None => match self.wait_for_job(&inbox).await {
+                    Some(job) => job,
+                    None => return,
+                },
+            };
         }
     }
 
