@@ -23,9 +23,9 @@
 //!   connection.
 //!
 //! The dispatcher is `!Send` by design: it keeps its state in `Rc` and
-//! `Cell`, runs one `spawn_local` task per message, and must live in a
-//! [`tokio::task::LocalSet`] on a runtime with time enabled. To use several
-//! cores, run one dispatcher per core.
+//! `Cell`, runs handlers in reused `spawn_local` worker tasks, and must
+//! live in a [`tokio::task::LocalSet`] on a runtime with time enabled. To
+//! use several cores, run one dispatcher per core.
 //!
 //! # Quick start
 //!
