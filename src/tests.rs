@@ -233,6 +233,56 @@ fn a_high_priority_message_arriving_while_all_permits_are_taken_goes_next() {
     });
 }
 
+/// Messages that arrive one at a time: the worker that went idle after the
+/// first dispatches the next itself when the consumer wakes, and, once it is
+/// busy with a handler that waits, the message after that still starts at
+/// once on another worker (no message waits while a permit is free).
+#[test]
+fn messages_arriving_one_by_one_each_start_while_earlier_ones_wait() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(3);
+        let gate = Gate::default();
+        let started = Rc::new(Cell::new(0));
+        let handler = {
+            let (gate, started) = (gate.clone(), started.clone());
+            async move |message: &Message| {
+                started.set(started.get() + 1);
+                if message.payload() == b"wait" {
+                    gate.wait().await;
+                }
+                Ok::<_, Infallible>(())
+            }
+        };
+        dispatcher
+            .subscribe("jobs", handler, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        transport.send("jobs", "quick");
+        transport.wait_acked("jobs", 1).await;
+        settle_down().await;
+        transport.send("jobs", "wait");
+        settle_down().await;
+        assert_eq!(started.get(), 2);
+        transport.send("jobs", "wait");
+        settle_down().await;
+        assert_eq!(
+            started.get(),
+            3,
+            "started though the one before still waits"
+        );
+        transport.send("jobs", "quick");
+        transport.wait_acked("jobs", 2).await;
+        assert_eq!(started.get(), 4);
+        gate.open();
+        transport.wait_acked("jobs", 4).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
 #[test]
 fn never_more_handlers_in_flight_than_the_concurrency_limit() {
     run_local(async {

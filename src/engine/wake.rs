@@ -2,9 +2,13 @@
 //!
 //! A consumer that has nothing to give keeps the waker it was polled with
 //! and wakes it when a message arrives. Each subscription's waker records
-//! the subscription in one shared list and wakes the engine task, so that
-//! whoever dispatches next (the engine, or a worker that just finished)
-//! polls exactly the consumers that woke, never all of them. Consumers may
+//! the subscription in one shared list and wakes an idle worker that
+//! offered to dispatch (the helper), or else the engine task, so that
+//! whoever dispatches next (the helper, the engine, or a worker that just
+//! finished) polls exactly the consumers that woke, never all of them. A
+//! helper dispatches in its own task and runs the message it picks itself,
+//! which spares a message that arrives alone the engine task's turn and a
+//! hand-over. Consumers may
 //! be woken from the `pulsar` crate's own tasks, so this is the one place
 //! that uses `Send` types: an `Arc`, an atomic flag per subscription and a
 //! mutex that nobody holds for longer than a push or a swap.
@@ -23,6 +27,8 @@ pub(crate) struct WokenList {
     /// A hint that `indices` is not empty, read without the lock.
     any: AtomicBool,
     engine: AtomicWaker,
+    /// An idle worker that dispatches when a consumer wakes, if one offered.
+    helper: AtomicWaker,
 }
 
 impl WokenList {
@@ -34,6 +40,19 @@ impl WokenList {
     /// Wakes the engine task.
     pub(crate) fn wake_engine(&self) {
         self.engine.wake();
+    }
+
+    /// Registers an idle worker as the one to wake, instead of the engine
+    /// task, when a consumer wakes.
+    pub(crate) fn register_helper(&self, waker: &Waker) {
+        self.helper.register(waker);
+    }
+
+    /// Withdraws the helper (whichever worker it is): the worker that
+    /// offered may be about to get busy. Consumers then wake the engine
+    /// task until an idle worker offers again.
+    pub(crate) fn clear_helper(&self) {
+        drop(self.helper.take());
     }
 
     /// Whether any subscription woke since the last [`take`](Self::take).
@@ -58,7 +77,10 @@ impl WokenList {
             .expect("the woken list is never poisoned")
             .push(index);
         self.any.store(true, Ordering::Release);
-        self.engine.wake();
+        match self.helper.take() {
+            Some(helper) => helper.wake(),
+            None => self.engine.wake(),
+        }
     }
 }
 

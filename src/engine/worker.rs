@@ -103,7 +103,7 @@ where
             }
             job = match engine.dispatch(self.id()) {
                 Some(job) => job,
-                None => match self.wait_for_job(&inbox).await {
+                None => match self.wait_for_job(&inbox, &engine).await {
                     Some(job) => job,
                     None => return,
                 },
@@ -166,25 +166,60 @@ where
         }
     }
 
-    /// Waits in the idle list until a job is handed over; `None` once the
-    /// pool is closed.
-    async fn wait_for_job(&self, inbox: &Rc<Inbox<T>>) -> Option<Job<T>> {
-        if self.closed.get() {
-            return None;
-        }
-        self.idle.borrow_mut().push(inbox.clone());
-        std::future::poll_fn(|cx| {
-            if let Some(job) = inbox.job.take() {
-                return Poll::Ready(Some(job));
-            }
+    /// Waits in the idle list until a job is handed over, or until a
+    /// consumer wakes while this worker is the engine's helper, in which
+    /// case it dispatches itself and keeps the message it picks (handing
+    /// the others over, as after a job); `None` once the pool is closed.
+    async fn wait_for_job(&self, inbox: &Rc<Inbox<T>>, engine: &Rc<Engine<T>>) -> Option<Job<T>> {
+        loop {
             if self.closed.get() {
-                return Poll::Ready(None);
+                return None;
             }
-            inbox.waker.set(Some(cx.waker().clone()));
-            Poll::Pending
-        })
-        .await
+            self.idle.borrow_mut().push(inbox.clone());
+            let woke = std::future::poll_fn(|cx| {
+                if let Some(job) = inbox.job.take() {
+                    return Poll::Ready(Woke::Job(job));
+                }
+                if self.closed.get() {
+                    return Poll::Ready(Woke::Closed);
+                }
+                if engine.woken.any() {
+                    return Poll::Ready(Woke::Consumers);
+                }
+                inbox.waker.set(Some(cx.waker().clone()));
+                engine.woken.register_helper(cx.waker());
+                Poll::Pending
+            })
+            .await;
+            match woke {
+                Woke::Job(job) => return Some(job),
+                Woke::Closed => return None,
+                Woke::Consumers => {
+                    // Off the idle list first, so that this dispatch hands
+                    // the other messages to other workers, not to this one.
+                    self.leave_idle(inbox);
+                    if let Some(job) = engine.dispatch(self.id()) {
+                        return Some(job);
+                    }
+                }
+            }
+        }
     }
+
+    fn leave_idle(&self, inbox: &Rc<Inbox<T>>) {
+        inbox.waker.take();
+        let mut idle = self.idle.borrow_mut();
+        if let Some(at) = idle.iter().position(|other| Rc::ptr_eq(other, inbox)) {
+            idle.remove(at);
+        }
+    }
+}
+
+/// Why an idle worker woke.
+enum Woke<T: Transport> {
+    Job(Job<T>),
+    Closed,
+    Consumers,
 }
 
 impl<T: Transport, F, R, E> Pool<T> for WorkerPool<T, F, R, E>
@@ -199,6 +234,9 @@ where
         let idle = self.idle.borrow_mut().pop();
         match idle {
             Some(inbox) => {
+                // It may be the engine's helper; a busy worker must not be
+                // the one consumers wake.
+                job.engine.woken.clear_helper();
                 inbox.job.set(Some(job));
                 if let Some(waker) = inbox.waker.take() {
                     waker.wake();
