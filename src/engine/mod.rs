@@ -3,9 +3,10 @@
 //! One [`Engine`] per dispatcher owns the transport, the scheduler, the
 //! subscriptions and the lifecycle. A message's way through it:
 //!
-//! 1. A subscription's slot is empty, so whoever emptied it (or the engine
-//!    task, when the consumer wakes) polls the consumer once. A message is
-//!    stored in a reused [`MessageBox`] and put in the slot.
+//! 1. A subscription's slot is empty, so whoever emptied it (or, when the
+//!    consumer wakes, the idle worker that offered to help, else the engine
+//!    task) polls the consumer once. A message is stored in a reused
+//!    [`MessageBox`] and put in the slot.
 //! 2. Whoever inserted a message or returned a permit dispatches: while a
 //!    permit is free, the scheduler picks the best waiting message, the
 //!    emptied slot is refilled, and the message becomes a [`Job`] for a
@@ -15,7 +16,7 @@
 //!    dispatches again, often to itself.
 //!
 //! The engine task (`lifecycle`) does only what nobody else is there to
-//! do: poll consumers that woke while every worker was idle, keep the one
+//! do: poll consumers that woke while no worker was idle, keep the one
 //! timer (held nacks, receive retries, the shutdown deadline, publishing
 //! metrics), and walk shutdown's phases. Subscribing and unsubscribing
 //! (`registry`) happen beside it, at any time. Everything is on one thread;

@@ -9,8 +9,10 @@
 //! When a worker finishes a message it dispatches at once (permit, then the
 //! best waiting message, as the engine would) and, if that message is for
 //! its own handler, runs it in the same poll. Messages for other handlers go
-//! to their pools' idle workers. Every few messages a worker yields to the
-//! runtime, so that the broker connection's tasks and timers keep running.
+//! to their pools' idle workers. An idle worker offers to dispatch when a
+//! consumer wakes (see `wake`), and runs what it picks the same way. Every
+//! few messages a worker yields to the runtime, so that the broker
+//! connection's tasks and timers keep running.
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
