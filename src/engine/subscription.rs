@@ -231,13 +231,12 @@ impl<T: Transport> Subscription<T> {
     pub(crate) fn receive(&self, into: &mut MessageBox) -> Received {
         // One look at the failure state, kept for after the poll: nothing
         // between here and there changes it.
-        let failing = self.failures.borrow().in_a_row > 0;
-        if failing {
-            if let Some(retry_at) = self.failures.borrow().retry_at {
-                if Instant::now() < retry_at {
-                    return Received::Nothing;
-                }
-            }
+        let (failing, retry_at) = {
+            let failures = self.failures.borrow();
+            (failures.in_a_row > 0, failures.retry_at)
+        };
+        if retry_at.is_some_and(|retry_at| Instant::now() < retry_at) {
+            return Received::Nothing;
         }
         let mut cx = Context::from_waker(&self.waker);
         let polled = match self.consumer.borrow_mut().as_mut() {

@@ -209,7 +209,7 @@ where
     }
 
     fn leave_idle(&self, inbox: &Rc<Inbox<T>>) {
-        inbox.waker.take();
+        drop(inbox.waker.take());
         let mut idle = self.idle.borrow_mut();
         if let Some(at) = idle.iter().position(|other| Rc::ptr_eq(other, inbox)) {
             idle.remove(at);
