@@ -1198,6 +1198,12 @@ fn profile(what: &str) {
                 println!("  machine: {:?}", latency::stalls(Duration::from_secs(1)));
                 return;
             }
+            if let Some(burst) = other.strip_prefix("bursts-") {
+                let burst: usize = burst.parse().expect("bursts-<messages per burst>");
+                let p = Percentiles::of(&on_local(latency::ours_bursts(messages / 10, burst)));
+                println!("bursts of {burst}: {p:?}");
+                return;
+            }
             if let Some(cores) = other.strip_prefix("per-core-") {
                 let cores: usize = cores.parse().expect("per-core-<dispatchers>");
                 let elapsed = latency::per_core(cores, 20_000, PER_CORE_WORK);
@@ -1209,7 +1215,7 @@ fn profile(what: &str) {
             }
             panic!(
                 "unknown profile target {other}; use ours, ours-k1000, ours-k1000-l16, floor, \
-                 plain, mt, side-by-side, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
+                 plain, mt, side-by-side, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, bursts-<n>, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
                  e2e-ours, e2e-raw or e2e-transport"
             )
         }

@@ -233,6 +233,51 @@ fn a_high_priority_message_arriving_while_all_permits_are_taken_goes_next() {
     });
 }
 
+/// A running dispatcher (concurrency 3) on the topic `jobs`, whose handler
+/// counts the messages it starts and waits at the gate on a message that
+/// says `wait`; one message has been handled, so a worker exists and waits
+/// idle, offering to dispatch.
+struct IdleWorker {
+    dispatcher: Rc<Dispatcher<MemoryTransport>>,
+    transport: MemoryTransport,
+    gate: Gate,
+    started: Rc<Cell<usize>>,
+    run: tokio::task::JoinHandle<Result<(), Error>>,
+}
+
+async fn idle_worker() -> IdleWorker {
+    let (dispatcher, transport) = dispatcher(3);
+    let gate = Gate::default();
+    let started = Rc::new(Cell::new(0));
+    let handler = {
+        let (gate, started) = (gate.clone(), started.clone());
+        async move |message: &Message| {
+            started.set(started.get() + 1);
+            if message.payload() == b"wait" {
+                gate.wait().await;
+            }
+            Ok::<_, Infallible>(())
+        }
+    };
+    dispatcher
+        .subscribe("jobs", handler, options(1))
+        .await
+        .unwrap();
+    let dispatcher = Rc::new(dispatcher);
+    let run = spawn_run(&dispatcher);
+    settle_down().await;
+    transport.send("jobs", "quick");
+    transport.wait_acked("jobs", 1).await;
+    settle_down().await;
+    IdleWorker {
+        dispatcher,
+        transport,
+        gate,
+        started,
+        run,
+    }
+}
+
 /// Messages that arrive one at a time: the worker that went idle after the
 /// first dispatches the next itself when the consumer wakes, and, once it is
 /// busy with a handler that waits, the message after that still starts at
@@ -240,29 +285,13 @@ fn a_high_priority_message_arriving_while_all_permits_are_taken_goes_next() {
 #[test]
 fn messages_arriving_one_by_one_each_start_while_earlier_ones_wait() {
     run_local(async {
-        let (dispatcher, transport) = dispatcher(3);
-        let gate = Gate::default();
-        let started = Rc::new(Cell::new(0));
-        let handler = {
-            let (gate, started) = (gate.clone(), started.clone());
-            async move |message: &Message| {
-                started.set(started.get() + 1);
-                if message.payload() == b"wait" {
-                    gate.wait().await;
-                }
-                Ok::<_, Infallible>(())
-            }
-        };
-        dispatcher
-            .subscribe("jobs", handler, options(1))
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
-        settle_down().await;
-        transport.send("jobs", "quick");
-        transport.wait_acked("jobs", 1).await;
-        settle_down().await;
+        let IdleWorker {
+            dispatcher,
+            transport,
+            gate,
+            started,
+            run,
+        } = idle_worker().await;
         transport.send("jobs", "wait");
         settle_down().await;
         assert_eq!(started.get(), 2);
@@ -276,6 +305,33 @@ fn messages_arriving_one_by_one_each_start_while_earlier_ones_wait() {
         transport.send("jobs", "quick");
         transport.wait_acked("jobs", 2).await;
         assert_eq!(started.get(), 4);
+        gate.open();
+        transport.wait_acked("jobs", 4).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+/// A burst that arrives while a worker is idle is picked by that worker,
+/// which keeps the messages for its own handler and runs them in turn;
+/// when the first one's handler waits, the rest go to other workers at
+/// once instead of waiting behind it.
+#[test]
+fn a_burst_kept_by_one_worker_is_handed_on_when_its_first_handler_waits() {
+    run_local(async {
+        let IdleWorker {
+            dispatcher,
+            transport,
+            gate,
+            started,
+            run,
+        } = idle_worker().await;
+        for payload in ["wait", "quick", "quick"] {
+            transport.send("jobs", payload);
+        }
+        settle_down().await;
+        assert_eq!(started.get(), 4, "the two behind the waiting one ran");
+        assert_eq!(transport.acked("jobs").len(), 3);
         gate.open();
         transport.wait_acked("jobs", 4).await;
         dispatcher.close().await;

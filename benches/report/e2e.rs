@@ -383,11 +383,13 @@ async fn e2e_transport(url: &str, messages: usize, receiver_queue: u32) -> Rate 
     let mut consumer = transport.subscribe(&spec).await.expect("subscribing");
     let warmup = e2e_warmup(messages, receiver_queue);
     let mut start = mark();
+    let mut slot = None;
     for index in 1..=messages {
-        let message = std::future::poll_fn(|cx| consumer.poll_receive(cx))
+        std::future::poll_fn(|cx| consumer.poll_receive(cx, &mut slot))
             .await
             .expect("the stream goes on")
             .expect("a message");
+        let message = slot.as_ref().expect("received into the slot");
         consumer.ack(message.id()).expect("acking");
         if index == warmup {
             start = mark();

@@ -178,6 +178,15 @@ pub async fn ours_saturation(messages: usize) -> f64 {
 /// handler starting, with the previous message settled and nothing else
 /// happening. Must be called inside a `LocalSet`.
 pub async fn ours_idle(messages: usize) -> Vec<u64> {
+    ours_bursts(messages, 1).await
+}
+
+/// Ours when messages arrive in bursts of `burst` (sent in one turn of
+/// the arrival loop) on an idle dispatcher: from just before each burst's
+/// first `send` to each handler starting, with the previous burst settled.
+/// Must be called inside a `LocalSet`.
+pub async fn ours_bursts(messages: usize, burst: usize) -> Vec<u64> {
+    let messages = messages / burst * burst;
     let origin = Instant::now();
     let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
     let count = Rc::new(Cell::new(0));
@@ -189,14 +198,17 @@ pub async fn ours_idle(messages: usize) -> Vec<u64> {
         async move {
             warm(&transport, &count, warm_up).await;
             let mut sent_at = Vec::with_capacity(messages);
-            for handled in warm_up..warm_up + messages {
-                // Let the previous message settle and the workers go idle.
+            for first in (warm_up..warm_up + messages).step_by(burst) {
+                // Let the previous burst settle and the workers go idle.
                 for _ in 0..4 {
                     requeue().await;
                 }
-                sent_at.push(origin.elapsed().as_nanos() as u64);
-                transport.send(TOPIC, Vec::new());
-                while count.get() <= handled {
+                let at = origin.elapsed().as_nanos() as u64;
+                for _ in 0..burst {
+                    sent_at.push(at);
+                    transport.send(TOPIC, Vec::new());
+                }
+                while count.get() < first + burst {
                     requeue().await;
                 }
             }
@@ -234,11 +246,13 @@ pub async fn plain_open_loop(interval: Duration, messages: usize) -> Vec<u64> {
     let consuming = {
         let (started, count) = (started.clone(), count.clone());
         tokio::task::spawn_local(async move {
+            let mut slot = None;
             for _ in 0..warm_up + messages {
-                let message = std::future::poll_fn(|cx| consumer.poll_receive(cx))
+                std::future::poll_fn(|cx| consumer.poll_receive(cx, &mut slot))
                     .await
                     .expect("the stream goes on")
                     .expect("a message");
+                let message = slot.as_ref().expect("received into the slot");
                 let now = origin.elapsed().as_nanos() as u64;
                 if let Some(index) = (message.id().entry_id() as usize).checked_sub(warm_up) {
                     started[index].store(now, Ordering::Relaxed);
@@ -396,8 +410,9 @@ impl Consumer for TracedConsumer {
     fn poll_receive(
         &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Message, TransportError>>> {
-        let polled = self.inner.poll_receive(cx);
+        slot: &mut Option<Message>,
+    ) -> Poll<Option<Result<(), TransportError>>> {
+        let polled = self.inner.poll_receive(cx, slot);
         let got = matches!(polled, Poll::Ready(Some(Ok(_))));
         let seen = match (self.high, got) {
             (true, true) => Seen::HighReceived,

@@ -332,16 +332,19 @@ pub async fn plain_loop_counted(
     let done = Rc::new(Notify::new());
     let handler = counting_handler(count.clone(), done.clone(), messages);
     let mut begin = None;
+    // The loop receives into one place, as the dispatcher does.
+    let mut slot = None;
     let start = Instant::now();
     for index in 0..messages {
         if index == warmup {
             begin = allocations.map(|read| read());
         }
-        let message = poll_fn(|cx| consumer.poll_receive(cx))
+        poll_fn(|cx| consumer.poll_receive(cx, &mut slot))
             .await
             .expect("the stream goes on")
             .expect("a message");
-        match handler(&message).await {
+        let message = slot.as_ref().expect("received into the slot");
+        match handler(message).await {
             Ok(()) => consumer.ack(message.id()),
             Err(never) => match never {},
         }

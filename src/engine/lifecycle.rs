@@ -1,6 +1,7 @@
 //! The engine's life: starting, the engine task, timers (held nacks,
 //! receive retries, the shutdown deadline), and shutdown.
 
+use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
@@ -96,8 +97,9 @@ impl<T: Transport> Engine<T> {
         // Registered before anything is looked at, so that no wake-up
         // between the look and the return is lost.
         self.woken.register_engine(cx.waker());
-        let kept = self.dispatch(NO_POOL);
-        debug_assert!(kept.is_none(), "the engine keeps no job");
+        let mut kept = VecDeque::new();
+        self.dispatch(NO_POOL, &mut kept);
+        debug_assert!(kept.is_empty(), "the engine keeps no job");
         self.poll_timers(cx);
         if self.phase() != Phase::Running && self.scheduler.borrow().is_idle() {
             return Poll::Ready(());

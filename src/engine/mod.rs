@@ -5,15 +5,16 @@
 //!
 //! 1. A subscription's slot is empty, so whoever emptied it (or, when the
 //!    consumer wakes, the idle worker that offered to help, else the engine
-//!    task) polls the consumer once. A message is stored in a reused
-//!    [`MessageBox`] and put in the slot.
+//!    task) polls the consumer once, which writes the message into a reused
+//!    [`MessageBox`]; the box goes in the slot.
 //! 2. Whoever inserted a message or returned a permit dispatches: while a
 //!    permit is free, the scheduler picks the best waiting message, the
 //!    emptied slot is refilled, and the message becomes a [`Job`] for a
 //!    worker of its handler (see `worker`).
 //! 3. The worker runs the handler on the message where it is stored, routes
 //!    the outcome, settles it on the consumer, returns the permit and
-//!    dispatches again, often to itself.
+//!    dispatches again, often to itself (its own messages queue behind the
+//!    one it runs).
 //!
 //! The engine task (`lifecycle`) does only what nobody else is there to
 //! do: poll consumers that woke while no worker was idle, keep the one
@@ -38,7 +39,7 @@ mod worker;
 
 use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -104,8 +105,9 @@ impl MessageBox {
         MessageBox(Box::new(None))
     }
 
-    pub(crate) fn put(&mut self, message: Message) {
-        *self.0 = Some(message);
+    /// Where a consumer writes the message it receives.
+    pub(crate) fn slot(&mut self) -> &mut Option<Message> {
+        &mut self.0
     }
 
     pub(crate) fn get(&self) -> &Message {
@@ -329,24 +331,23 @@ impl<T: Transport> Engine<T> {
 
     /// Refills the slots of consumers that woke, then, while a permit is
     /// free, hands the best waiting message to a worker of its handler,
-    /// refilling each slot it empties. A message for the pool `keep` is
-    /// returned instead, for the worker that asked to run it itself.
-    pub(crate) fn dispatch(self: &Rc<Self>, keep: *const ()) -> Option<Job<T>> {
+    /// refilling each slot it empties. Messages for the pool `keep` go to
+    /// the back of `kept` instead, in the order they were picked, for the
+    /// worker that asked to run them itself.
+    pub(crate) fn dispatch(self: &Rc<Self>, keep: *const (), kept: &mut VecDeque<Job<T>>) {
         if !self.aging {
-            return self.dispatch_round(keep);
+            return self.dispatch_round(keep, kept);
         }
         // One burst with no waiting in it: aging reads the clock once.
         self.scheduler.borrow_mut().begin_round();
-        let kept = self.dispatch_round(keep);
+        self.dispatch_round(keep, kept);
         self.scheduler.borrow_mut().end_round();
-        kept
     }
 
-    fn dispatch_round(self: &Rc<Self>, keep: *const ()) -> Option<Job<T>> {
+    fn dispatch_round(self: &Rc<Self>, keep: *const (), kept: &mut VecDeque<Job<T>>) {
         if self.woken.any() {
             self.refill_woken();
         }
-        let mut kept = None;
         loop {
             let picked = self.scheduler.borrow_mut().try_dispatch();
             let Some((permit, delivery)) = picked else {
@@ -359,14 +360,18 @@ impl<T: Transport> Engine<T> {
             } = delivery;
             bump(&subscription.counters.dispatched);
             self.refill(&subscription);
-            let job = Job::new(self.clone(), subscription, message, permit, since);
-            if kept.is_none() && job.pool() == keep {
-                kept = Some(job);
-            } else {
+            let mut job = Job::new(self.clone(), subscription, message, permit, since);
+            if job.pool() != keep {
                 job.hand_over();
+            } else if kept.is_empty() {
+                kept.push_back(job);
+            } else {
+                // Waits behind the worker's first job, picked and not
+                // started, as a handed-over job does.
+                job.wait_in_queue();
+                kept.push_back(job);
             }
         }
-        kept
     }
 
     /// A subscription's current priority.

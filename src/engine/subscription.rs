@@ -240,17 +240,16 @@ impl<T: Transport> Subscription<T> {
         }
         let mut cx = Context::from_waker(&self.waker);
         let polled = match self.consumer.borrow_mut().as_mut() {
-            Some(consumer) => consumer.poll_receive(&mut cx),
+            Some(consumer) => consumer.poll_receive(&mut cx, into.slot()),
             None => Poll::Ready(None),
         };
         match polled {
             Poll::Pending => Received::Nothing,
-            Poll::Ready(Some(Ok(message))) => {
+            Poll::Ready(Some(Ok(()))) => {
                 bump(&self.counters.received);
                 if failing {
                     self.recovered();
                 }
-                into.put(message);
                 Received::Stored
             }
             Poll::Ready(Some(Err(error))) => {

@@ -7,17 +7,21 @@
 //! that, dispatching a message allocates nothing: the handler's future lives
 //! inside the worker's own task, which is reused message after message.
 //! When a worker finishes a message it dispatches at once (permit, then the
-//! best waiting message, as the engine would) and, if that message is for
-//! its own handler, runs it in the same poll. Messages for other handlers go
-//! to their pools' idle workers. An idle worker offers to dispatch when a
+//! best waiting messages, as the engine would): those for its own handler
+//! go to its queue and run in the same poll, in the order they were picked,
+//! while their handlers finish without waiting; the first time one waits,
+//! the rest of the queue goes to other workers. Messages for other handlers
+//! go to their pools' idle workers. An idle worker offers to dispatch when a
 //! consumer wakes (see `wake`), and runs what it picks the same way. Every
 //! few messages a worker yields to the runtime, so that the broker
 //! connection's tasks and timers keep running.
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
+use std::pin::pin;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 
@@ -82,11 +86,20 @@ where
 
     /// A worker's life: run the job it was spawned with, then every job it
     /// picks for itself or is handed, until the pool closes.
+    ///
+    /// A worker's queue holds the further messages for its own handler
+    /// that its dispatches picked; each holds its permit. The worker runs
+    /// them in the order they were picked, in the same poll while handlers
+    /// finish without waiting, so that a burst costs no task poll per
+    /// message. The first time a job waits (its handler or its publish
+    /// pends), and before the worker steps aside, the queue goes to other
+    /// workers, so no picked message waits behind one that is waiting.
     async fn work(self: Rc<Self>, engine: Rc<Engine<T>>, first: Job<T>) {
         let inbox = Rc::new(Inbox {
             job: Cell::new(None),
             waker: Cell::new(None),
         });
+        let mut queue = VecDeque::new();
         let mut job = first;
         let mut in_this_poll = 0;
         loop {
@@ -94,18 +107,21 @@ where
                 // Better messages handed to other workers before this one
                 // was picked start first.
                 in_this_poll = 0;
+                hand_over_all(&mut queue);
                 tokio::task::yield_now().await;
             }
-            self.run(&mut job, &engine).await;
+            hand_over_when_waiting(self.run(&mut job, &engine), &mut queue).await;
             drop(job);
             in_this_poll += 1;
             if in_this_poll >= JOBS_PER_POLL {
                 in_this_poll = 0;
+                hand_over_all(&mut queue);
                 engine.step_aside().await;
             }
-            job = match engine.dispatch(self.id()) {
+            engine.dispatch(self.id(), &mut queue);
+            job = match queue.pop_front() {
                 Some(job) => job,
-                None => match self.wait_for_job(&inbox, &engine).await {
+                None => match self.wait_for_job(&inbox, &engine, &mut queue).await {
                     Some(job) => job,
                     None => return,
                 },
@@ -172,7 +188,12 @@ where
     /// consumer wakes while this worker is the engine's helper, in which
     /// case it dispatches itself and keeps the message it picks (handing
     /// the others over, as after a job); `None` once the pool is closed.
-    async fn wait_for_job(&self, inbox: &Rc<Inbox<T>>, engine: &Rc<Engine<T>>) -> Option<Job<T>> {
+    async fn wait_for_job(
+        &self,
+        inbox: &Rc<Inbox<T>>,
+        engine: &Rc<Engine<T>>,
+        queue: &mut VecDeque<Job<T>>,
+    ) -> Option<Job<T>> {
         loop {
             if self.closed.get() {
                 return None;
@@ -200,7 +221,8 @@ where
                     // Off the idle list first, so that this dispatch hands
                     // the other messages to other workers, not to this one.
                     self.leave_idle(inbox);
-                    if let Some(job) = engine.dispatch(self.id()) {
+                    engine.dispatch(self.id(), queue);
+                    if let Some(job) = queue.pop_front() {
                         return Some(job);
                     }
                 }
@@ -269,6 +291,30 @@ where
     }
 }
 
+/// Gives every job in a worker's queue to other workers.
+fn hand_over_all<T: Transport>(queue: &mut VecDeque<Job<T>>) {
+    for job in queue.drain(..) {
+        job.assign();
+    }
+}
+
+/// Awaits a job's run; the first time the run waits, the worker's queue
+/// goes to other workers.
+async fn hand_over_when_waiting<T: Transport>(
+    running: impl Future<Output = ()>,
+    queue: &mut VecDeque<Job<T>>,
+) {
+    let mut running = pin!(running);
+    std::future::poll_fn(|cx| {
+        let polled = running.as_mut().poll(cx);
+        if polled.is_pending() && !queue.is_empty() {
+            hand_over_all(queue);
+        }
+        polled
+    })
+    .await
+}
+
 /// Runs a handler's future to its end, or, with a processing timeout, until
 /// the deadline (`None`), when the future is dropped.
 async fn within_deadline<T: Transport, H: Future>(
@@ -332,8 +378,20 @@ impl<T: Transport> Job<T> {
 
     /// Hands the job to a worker of its handler.
     pub(crate) fn hand_over(mut self) {
+        self.wait_in_queue();
+        self.assign();
+    }
+
+    /// Marks the job as waiting, picked and not started, in a worker's
+    /// queue or inbox: until it starts, workers that pick a job of a worse
+    /// priority let it start first.
+    pub(crate) fn wait_in_queue(&mut self) {
         self.handed_over = true;
         self.engine.handed_over(self.priority());
+    }
+
+    /// Gives a waiting job to an idle worker of its handler, or a new one.
+    fn assign(self) {
         self.subscription.handler.pool.clone().assign(self);
     }
 

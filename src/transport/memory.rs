@@ -404,7 +404,8 @@ impl Consumer for MemoryConsumer {
     fn poll_receive(
         &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Message, TransportError>>> {
+        slot: &mut Option<Message>,
+    ) -> Poll<Option<Result<(), TransportError>>> {
         if self.topic.ended.get() {
             return Poll::Ready(None);
         }
@@ -416,14 +417,15 @@ impl Consumer for MemoryConsumer {
                 self.topic.name
             )))));
         }
-        match self.topic.backlog.borrow_mut().pop_front() {
+        *slot = self.topic.backlog.borrow_mut().pop_front();
+        match slot {
             Some(message) => {
                 self.topic.received.set(self.topic.received.get() + 1);
                 self.topic
                     .unsettled
                     .borrow_mut()
                     .insert(message.id.entry_id(), message.clone());
-                Poll::Ready(Some(Ok(message)))
+                Poll::Ready(Some(Ok(())))
             }
             None => {
                 self.topic.consumer_waker.set(Some(cx.waker().clone()));

@@ -167,14 +167,23 @@ pub trait Transport: 'static {
 /// One subscription's consumer.
 #[allow(async_fn_in_trait)]
 pub trait Consumer: 'static {
-    /// Polls for the next message; `Ready(None)` when the consumer has ended
-    /// for good. When it returns `Pending`, the waker of `cx` is woken once a
-    /// message may be ready. The dispatcher polls only while it has room for
-    /// a message, which is how its backpressure reaches the broker.
+    /// Polls for the next message and, when one is ready, writes it into
+    /// `slot` (whatever `slot` held is dropped) and returns
+    /// `Ready(Some(Ok(())))`. `Ready(None)` when the consumer has ended for
+    /// good; on `Ready(None)`, an error or `Pending`, `slot` may be left
+    /// `None`. When it returns `Pending`, the waker of `cx` is woken once a
+    /// message may be ready.
+    ///
+    /// The caller owns the slot so that a message is written once, where it
+    /// stays until it is settled: the dispatcher passes the box the message
+    /// will be handled from, not a place to copy it out of. The dispatcher
+    /// polls only while it has room for a message, which is how its
+    /// backpressure reaches the broker.
     fn poll_receive(
         &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Message, TransportError>>>;
+        slot: &mut Option<Message>,
+    ) -> Poll<Option<Result<(), TransportError>>>;
 
     /// Acknowledges a message. Does not wait for the broker: the
     /// acknowledgement is queued, in order, for the connection.

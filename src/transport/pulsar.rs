@@ -302,12 +302,13 @@ impl Consumer for PulsarConsumer {
     fn poll_receive(
         &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Message, TransportError>>> {
+        slot: &mut Option<Message>,
+    ) -> Poll<Option<Result<(), TransportError>>> {
         let received = self.poll_partitions(cx);
         if received.is_ready() {
             self.brokers.recheck_if_due();
         }
-        received
+        received.map(|polled| polled.map(|result| result.map(|message| *slot = Some(message))))
     }
 
     fn ack(&mut self, id: &MessageId) -> Result<(), TransportError> {
