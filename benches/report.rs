@@ -1182,7 +1182,12 @@ fn profile(what: &str) {
         other => {
             if let Some(load) = other.strip_prefix("open-loop-") {
                 let load: f64 = load.parse().expect("open-loop-<percent of saturation>");
-                let saturation = on_local(latency::ours_saturation(messages));
+                // SATURATION=<msg/s> fixes the rate the load is a share of,
+                // to compare two builds at the same offered rate.
+                let saturation = match std::env::var("SATURATION") {
+                    Ok(rate) => rate.parse().expect("SATURATION=<messages per second>"),
+                    Err(_) => on_local(latency::ours_saturation(messages)),
+                };
                 let interval = Duration::from_secs_f64(100.0 / (load * saturation));
                 let (lateness, _) = on_local(latency::ours_open_loop(interval, messages));
                 if let Ok(path) = std::env::var("LATENESS_DUMP") {
