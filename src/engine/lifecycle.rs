@@ -97,9 +97,12 @@ impl<T: Transport> Engine<T> {
         // Registered before anything is looked at, so that no wake-up
         // between the look and the return is lost.
         self.woken.register_engine(cx.waker());
-        let mut kept = VecDeque::new();
-        self.dispatch(NO_POOL, &mut kept);
-        debug_assert!(kept.is_empty(), "the engine keeps no job");
+        let mut queue = VecDeque::new();
+        let next = self.dispatch(NO_POOL, &mut queue);
+        debug_assert!(
+            next.is_none() && queue.is_empty(),
+            "the engine keeps no job"
+        );
         self.poll_timers(cx);
         if self.phase() != Phase::Running && self.scheduler.borrow().is_idle() {
             return Poll::Ready(());

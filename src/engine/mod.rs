@@ -331,23 +331,37 @@ impl<T: Transport> Engine<T> {
 
     /// Refills the slots of consumers that woke, then, while a permit is
     /// free, hands the best waiting message to a worker of its handler,
-    /// refilling each slot it empties. Messages for the pool `keep` go to
-    /// the back of `kept` instead, in the order they were picked, for the
-    /// worker that asked to run them itself.
-    pub(crate) fn dispatch(self: &Rc<Self>, keep: *const (), kept: &mut VecDeque<Job<T>>) {
+    /// refilling each slot it empties. Messages for the pool `keep` are for
+    /// the worker that asked to run them itself: the first is returned when
+    /// its `queue` is empty, the others go to the back of the queue, so
+    /// that the worker runs them in the order they were picked. (The first
+    /// is returned rather than queued because that is the common case, one
+    /// message per dispatch, and a job moved through the queue costs two
+    /// copies of it.)
+    pub(crate) fn dispatch(
+        self: &Rc<Self>,
+        keep: *const (),
+        queue: &mut VecDeque<Job<T>>,
+    ) -> Option<Job<T>> {
         if !self.aging {
-            return self.dispatch_round(keep, kept);
+            return self.dispatch_round(keep, queue);
         }
         // One burst with no waiting in it: aging reads the clock once.
         self.scheduler.borrow_mut().begin_round();
-        self.dispatch_round(keep, kept);
+        let next = self.dispatch_round(keep, queue);
         self.scheduler.borrow_mut().end_round();
+        next
     }
 
-    fn dispatch_round(self: &Rc<Self>, keep: *const (), kept: &mut VecDeque<Job<T>>) {
+    fn dispatch_round(
+        self: &Rc<Self>,
+        keep: *const (),
+        queue: &mut VecDeque<Job<T>>,
+    ) -> Option<Job<T>> {
         if self.woken.any() {
             self.refill_woken();
         }
+        let mut next = None;
         loop {
             let picked = self.scheduler.borrow_mut().try_dispatch();
             let Some((permit, delivery)) = picked else {
@@ -363,15 +377,15 @@ impl<T: Transport> Engine<T> {
             let mut job = Job::new(self.clone(), subscription, message, permit, since);
             if job.pool() != keep {
                 job.hand_over();
-            } else if kept.is_empty() {
-                kept.push_back(job);
+            } else if next.is_none() && queue.is_empty() {
+                next = Some(job);
             } else {
-                // Waits behind the worker's first job, picked and not
-                // started, as a handed-over job does.
+                // Picked and not started, as a handed-over job is.
                 job.wait_in_queue();
-                kept.push_back(job);
+                queue.push_back(job);
             }
         }
+        next
     }
 
     /// A subscription's current priority.

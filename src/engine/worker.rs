@@ -21,9 +21,9 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
-use std::pin::pin;
+use std::pin::Pin;
 use std::rc::Rc;
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
 use futures::FutureExt;
 use tokio::time::Instant;
@@ -51,10 +51,14 @@ pub(crate) struct WorkerPool<T: Transport, F, R, E> {
     types: PhantomData<fn(F) -> Result<R, E>>,
 }
 
-/// Where a worker waits for its next message.
+/// Where a worker waits for its next message, and its queue.
 struct Inbox<T: Transport> {
     job: Cell<Option<Job<T>>>,
     waker: Cell<Option<Waker>>,
+    /// Messages for the worker's handler that its dispatches picked behind
+    /// the one it runs, each holding its permit, in the order picked.
+    /// Empty while the worker waits for a job.
+    queue: RefCell<VecDeque<Job<T>>>,
 }
 
 impl<T: Transport, F, R, E> WorkerPool<T, F, R, E>
@@ -84,22 +88,30 @@ where
         self as *const Self as *const ()
     }
 
-    /// A worker's life: run the job it was spawned with, then every job it
-    /// picks for itself or is handed, until the pool closes.
-    ///
-    /// A worker's queue holds the further messages for its own handler
-    /// that its dispatches picked; each holds its permit. The worker runs
-    /// them in the order they were picked, in the same poll while handlers
-    /// finish without waiting, so that a burst costs no task poll per
-    /// message. The first time a job waits (its handler or its publish
-    /// pends), and before the worker steps aside, the queue goes to other
-    /// workers, so no picked message waits behind one that is waiting.
-    async fn work(self: Rc<Self>, engine: Rc<Engine<T>>, first: Job<T>) {
+    /// Spawns a worker that starts with `first`.
+    fn spawn(self: Rc<Self>, first: Job<T>) {
+        let engine = first.engine.clone();
         let inbox = Rc::new(Inbox {
             job: Cell::new(None),
             waker: Cell::new(None),
+            queue: RefCell::default(),
         });
-        let mut queue = VecDeque::new();
+        let task = WorkerTask {
+            inbox: inbox.clone(),
+            work: Box::pin(self.clone().work(engine, first, inbox)),
+        };
+        let task = tokio::task::spawn_local(task);
+        self.tasks.borrow_mut().push(task.abort_handle());
+    }
+
+    /// A worker's life: run the job it was spawned with, then every job it
+    /// picks for itself or is handed, until the pool closes.
+    ///
+    /// The further messages for its own handler that a dispatch picks go
+    /// to the worker's queue (see [`WorkerTask`]); the worker runs them in
+    /// the order they were picked, in the same poll while handlers finish
+    /// without waiting, so that a burst costs no task poll per message.
+    async fn work(self: Rc<Self>, engine: Rc<Engine<T>>, first: Job<T>, inbox: Rc<Inbox<T>>) {
         let mut job = first;
         let mut in_this_poll = 0;
         loop {
@@ -107,21 +119,19 @@ where
                 // Better messages handed to other workers before this one
                 // was picked start first.
                 in_this_poll = 0;
-                hand_over_all(&mut queue);
                 tokio::task::yield_now().await;
             }
-            hand_over_when_waiting(self.run(&mut job, &engine), &mut queue).await;
+            self.run(&mut job, &engine).await;
             drop(job);
             in_this_poll += 1;
             if in_this_poll >= JOBS_PER_POLL {
                 in_this_poll = 0;
-                hand_over_all(&mut queue);
                 engine.step_aside().await;
             }
-            engine.dispatch(self.id(), &mut queue);
-            job = match queue.pop_front() {
+            let picked = engine.dispatch(self.id(), &mut inbox.queue.borrow_mut());
+            job = match picked.or_else(|| inbox.queue.borrow_mut().pop_front()) {
                 Some(job) => job,
-                None => match self.wait_for_job(&inbox, &engine, &mut queue).await {
+                None => match self.wait_for_job(&inbox, &engine).await {
                     Some(job) => job,
                     None => return,
                 },
@@ -188,12 +198,7 @@ where
     /// consumer wakes while this worker is the engine's helper, in which
     /// case it dispatches itself and keeps the message it picks (handing
     /// the others over, as after a job); `None` once the pool is closed.
-    async fn wait_for_job(
-        &self,
-        inbox: &Rc<Inbox<T>>,
-        engine: &Rc<Engine<T>>,
-        queue: &mut VecDeque<Job<T>>,
-    ) -> Option<Job<T>> {
+    async fn wait_for_job(&self, inbox: &Rc<Inbox<T>>, engine: &Rc<Engine<T>>) -> Option<Job<T>> {
         loop {
             if self.closed.get() {
                 return None;
@@ -221,8 +226,10 @@ where
                     // Off the idle list first, so that this dispatch hands
                     // the other messages to other workers, not to this one.
                     self.leave_idle(inbox);
-                    engine.dispatch(self.id(), queue);
-                    if let Some(job) = queue.pop_front() {
+                    // The queue is empty while a worker waits, so the
+                    // first message picked comes back here.
+                    let picked = engine.dispatch(self.id(), &mut inbox.queue.borrow_mut());
+                    if let Some(job) = picked {
                         return Some(job);
                     }
                 }
@@ -266,12 +273,7 @@ where
                     waker.wake();
                 }
             }
-            None => {
-                let engine = job.engine.clone();
-                let tasks = &self.tasks;
-                let task = tokio::task::spawn_local(self.clone().work(engine, job));
-                tasks.borrow_mut().push(task.abort_handle());
-            }
+            None => self.spawn(job),
         }
     }
 
@@ -291,28 +293,37 @@ where
     }
 }
 
-/// Gives every job in a worker's queue to other workers.
-fn hand_over_all<T: Transport>(queue: &mut VecDeque<Job<T>>) {
-    for job in queue.drain(..) {
-        job.assign();
-    }
+/// A worker's task: its life, and its queue handed on whenever the task
+/// waits. The worker runs queued jobs one after another while their
+/// handlers finish without waiting; when the task waits for anything (a
+/// handler or a publish pending, stepping aside for the runtime, yielding
+/// to better messages), every job still in the queue goes to another
+/// worker, so no picked message waits behind a waiting one. Checking at the
+/// task's edge costs nothing per message: the task is polled once for many.
+struct WorkerTask<T: Transport, W> {
+    inbox: Rc<Inbox<T>>,
+    work: Pin<Box<W>>,
 }
 
-/// Awaits a job's run; the first time the run waits, the worker's queue
-/// goes to other workers.
-async fn hand_over_when_waiting<T: Transport>(
-    running: impl Future<Output = ()>,
-    queue: &mut VecDeque<Job<T>>,
-) {
-    let mut running = pin!(running);
-    std::future::poll_fn(|cx| {
-        let polled = running.as_mut().poll(cx);
-        if polled.is_pending() && !queue.is_empty() {
-            hand_over_all(queue);
+impl<T: Transport, W: Future<Output = ()>> Future for WorkerTask<T, W> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        let polled = this.work.as_mut().poll(cx);
+        if polled.is_pending() {
+            // One at a time, the borrow released before each hand-over
+            // (which may spawn a worker), and the queue's room kept.
+            loop {
+                let queued = this.inbox.queue.borrow_mut().pop_front();
+                match queued {
+                    Some(job) => job.assign(),
+                    None => break,
+                }
+            }
         }
         polled
-    })
-    .await
+    }
 }
 
 /// Runs a handler's future to its end, or, with a processing timeout, until
