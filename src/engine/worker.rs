@@ -223,8 +223,8 @@ where
                 Woke::Job(job) => return Some(job),
                 Woke::Closed => return None,
                 Woke::Consumers => {
-                    // Off the idle list first, so that this dispatch hands
-                    // the other messages to other workers, not to this one.
+                    // Off the idle list first: from here on this worker is
+                    // busy, and no hand-over may pick it.
                     self.leave_idle(inbox);
                     // The queue is empty while a worker waits, so the
                     // first message picked comes back here.
