@@ -278,6 +278,17 @@ async fn idle_worker() -> IdleWorker {
     }
 }
 
+impl IdleWorker {
+    /// Opens the gate, waits until `total` messages are acked, and closes
+    /// the dispatcher, which must shut down cleanly.
+    async fn open_gate_and_close(self, total: usize) {
+        self.gate.open();
+        self.transport.wait_acked("jobs", total).await;
+        self.dispatcher.close().await;
+        self.run.await.unwrap().unwrap();
+    }
+}
+
 /// Messages that arrive one at a time: the worker that went idle after the
 /// first dispatches the next itself when the consumer wakes, and, once it is
 /// busy with a handler that waits, the message after that still starts at
@@ -285,13 +296,8 @@ async fn idle_worker() -> IdleWorker {
 #[test]
 fn messages_arriving_one_by_one_each_start_while_earlier_ones_wait() {
     run_local(async {
-        let IdleWorker {
-            dispatcher,
-            transport,
-            gate,
-            started,
-            run,
-        } = idle_worker().await;
+        let worker = idle_worker().await;
+        let (transport, started) = (&worker.transport, &worker.started);
         transport.send("jobs", "wait");
         settle_down().await;
         assert_eq!(started.get(), 2);
@@ -305,10 +311,7 @@ fn messages_arriving_one_by_one_each_start_while_earlier_ones_wait() {
         transport.send("jobs", "quick");
         transport.wait_acked("jobs", 2).await;
         assert_eq!(started.get(), 4);
-        gate.open();
-        transport.wait_acked("jobs", 4).await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        worker.open_gate_and_close(4).await;
     });
 }
 
@@ -319,23 +322,15 @@ fn messages_arriving_one_by_one_each_start_while_earlier_ones_wait() {
 #[test]
 fn a_burst_kept_by_one_worker_is_handed_on_when_its_first_handler_waits() {
     run_local(async {
-        let IdleWorker {
-            dispatcher,
-            transport,
-            gate,
-            started,
-            run,
-        } = idle_worker().await;
+        let worker = idle_worker().await;
+        let (transport, started) = (&worker.transport, &worker.started);
         for payload in ["wait", "quick", "quick"] {
             transport.send("jobs", payload);
         }
         settle_down().await;
         assert_eq!(started.get(), 4, "the two behind the waiting one ran");
         assert_eq!(transport.acked("jobs").len(), 3);
-        gate.open();
-        transport.wait_acked("jobs", 4).await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        worker.open_gate_and_close(4).await;
     });
 }
 
