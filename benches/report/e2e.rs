@@ -32,7 +32,7 @@ use pulsar_dispatcher::transport::{Consumer, ConsumerSpec, PulsarTransport, Tran
 use pulsar_dispatcher::{Dispatcher, Message, SubscribeOptions};
 use serde_json::{json, Map, Value};
 
-use super::support::on_local;
+use super::support::{on_local, receive_into};
 use super::{allocations, cpu_ns, emit, median, python, python_script, run_python, steady, Sizes};
 
 pub fn pulsar_url() -> String {
@@ -385,10 +385,7 @@ async fn e2e_transport(url: &str, messages: usize, receiver_queue: u32) -> Rate 
     let mut start = mark();
     let mut slot = None;
     for index in 1..=messages {
-        std::future::poll_fn(|cx| consumer.poll_receive(cx, &mut slot))
-            .await
-            .expect("the stream goes on")
-            .expect("a message");
+        receive_into(&mut consumer, &mut slot).await;
         let message = slot.as_ref().expect("received into the slot");
         consumer.ack(message.id()).expect("acking");
         if index == warmup {

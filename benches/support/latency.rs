@@ -26,7 +26,7 @@ use pulsar_dispatcher::transport::{
 };
 use pulsar_dispatcher::{Dispatcher, Message, MessageId, SubscribeOptions};
 
-use super::{lateness, requeue, send_on_schedule};
+use super::{lateness, receive_into, requeue, send_on_schedule};
 
 /// p50, p99, p99.9 and max of a set of latencies, in nanoseconds, through
 /// an HDR histogram (3 significant digits).
@@ -248,10 +248,7 @@ pub async fn plain_open_loop(interval: Duration, messages: usize) -> Vec<u64> {
         tokio::task::spawn_local(async move {
             let mut slot = None;
             for _ in 0..warm_up + messages {
-                std::future::poll_fn(|cx| consumer.poll_receive(cx, &mut slot))
-                    .await
-                    .expect("the stream goes on")
-                    .expect("a message");
+                receive_into(&mut consumer, &mut slot).await;
                 let message = slot.as_ref().expect("received into the slot");
                 let now = origin.elapsed().as_nanos() as u64;
                 if let Some(index) = (message.id().entry_id() as usize).checked_sub(warm_up) {

@@ -15,7 +15,7 @@ pub mod scheduling;
 
 use std::cell::Cell;
 use std::convert::Infallible;
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Poll, Waker};
@@ -313,6 +313,21 @@ pub async fn plain_loop(messages: usize) -> Duration {
     plain_loop_counted(messages, 0, None).await.0
 }
 
+/// Receives the next message into `slot`, as the dispatcher receives into
+/// its boxes, for the plain loops: they reuse one slot for every message.
+/// A plain future, not an `async fn`: the extra state machine of an `async
+/// fn` costs the plain loop about 27 instructions per message.
+pub fn receive_into<'a>(
+    consumer: &'a mut impl Consumer,
+    slot: &'a mut Option<Message>,
+) -> impl Future<Output = ()> + 'a {
+    poll_fn(move |cx| {
+        consumer
+            .poll_receive(cx, slot)
+            .map(|polled| polled.expect("the stream goes on").expect("a message"))
+    })
+}
+
 /// Like [`plain_loop`]; also returns allocations per message after `warmup`.
 pub async fn plain_loop_counted(
     messages: usize,
@@ -339,10 +354,7 @@ pub async fn plain_loop_counted(
         if index == warmup {
             begin = allocations.map(|read| read());
         }
-        poll_fn(|cx| consumer.poll_receive(cx, &mut slot))
-            .await
-            .expect("the stream goes on")
-            .expect("a message");
+        receive_into(&mut consumer, &mut slot).await;
         let message = slot.as_ref().expect("received into the slot");
         match handler(message).await {
             Ok(()) => consumer.ack(message.id()),
