@@ -15,8 +15,9 @@
 //! spawned task (no `Box<dyn Fn>`, no boxed future per message), and the
 //! in-memory consumer does exactly the bookkeeping `MemoryTransport` does per
 //! message: it keeps a copy of each received message until it is settled in
-//! a map keyed by entry id with the identity hash (no SipHash), and records
-//! every ack; here behind mutexes, since any thread may ack.
+//! a map keyed by entry id with the identity hash (no SipHash), and logs
+//! every ack's id by its parts; here behind mutexes, since any thread may
+//! ack.
 //!
 //! What it skips, compared with the library: the handler's task acks
 //! directly (no outcome routing: replies, retries, dead letters, error
@@ -67,6 +68,9 @@ impl Hasher for EntryIdHasher {
     }
 }
 
+/// A message id by its parts: ledger, entry, partition, batch index.
+type IdParts = (u64, u64, i32, Option<i32>);
+
 /// An in-memory topic with one consumer.
 #[derive(Default)]
 pub struct MtTopic {
@@ -74,7 +78,8 @@ pub struct MtTopic {
     backlog: Mutex<VecDeque<MtMessage>>,
     arrived: Notify,
     unsettled: Mutex<HashMap<u64, MtMessage, BuildHasherDefault<EntryIdHasher>>>,
-    acked: Mutex<Vec<MessageId>>,
+    /// Every ack, its id by parts, as `MemoryTransport` logs them.
+    acked: Mutex<Vec<IdParts>>,
     acked_count: AtomicUsize,
     next_entry: AtomicU64,
 }
@@ -116,7 +121,13 @@ impl MtTopic {
 
     fn ack(&self, id: &MessageId) {
         self.unsettled.lock().unwrap().remove(&id.entry_id());
-        self.acked.lock().unwrap().push(id.clone());
+        let parts = (
+            id.ledger_id(),
+            id.entry_id(),
+            id.partition(),
+            id.batch_index(),
+        );
+        self.acked.lock().unwrap().push(parts);
         self.acked_count.fetch_add(1, Ordering::Release);
     }
 

@@ -2,7 +2,9 @@
 //!
 //! Topics are queues in memory. A consumer takes from its topic's queue; a
 //! nack puts the message back at the front with its redelivery count raised;
-//! every publish, ack and nack is recorded so that tests can assert on them.
+//! every publish, ack and nack is logged so that tests can assert on them
+//! (compactly: a log entry names the topic by index and the message id by
+//! its parts, so logging an ack clones nothing).
 //! Failures can be injected (a subscribe, producer creation or close that
 //! fails, a consumer stream that ends). Receiving, acking and nacking a
 //! message with an empty payload allocates nothing in steady state, which
@@ -50,11 +52,57 @@ pub enum Event {
     },
 }
 
+/// What a [`Record`] records.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Published,
+    Acked,
+    Nacked,
+}
+
+/// An [`Event`] as the broker logs it: the topic by its index and the
+/// message id by its parts, so that logging an ack clones nothing. The ids
+/// this broker sees are all built by [`MessageId::new`] (its own, or those
+/// of messages a test builds), so the four parts are the whole id.
+#[derive(Clone, Copy)]
+struct Record {
+    kind: Kind,
+    topic: u32,
+    ledger_id: u64,
+    entry_id: u64,
+    partition: i32,
+    batch_index: Option<i32>,
+}
+
+impl Record {
+    fn new(kind: Kind, topic: &Topic, id: Option<&MessageId>) -> Self {
+        Record {
+            kind,
+            topic: topic.index,
+            ledger_id: id.map_or(0, MessageId::ledger_id),
+            entry_id: id.map_or(0, MessageId::entry_id),
+            partition: id.map_or(-1, MessageId::partition),
+            batch_index: id.and_then(MessageId::batch_index),
+        }
+    }
+
+    fn id(&self) -> MessageId {
+        MessageId::new(
+            self.ledger_id,
+            self.entry_id,
+            self.partition,
+            self.batch_index,
+        )
+    }
+}
+
 #[derive(Default)]
 struct Broker {
     /// By full name, and by every other spelling used so far.
     topics: RefCell<HashMap<String, Rc<Topic>>>,
-    events: RefCell<Vec<Event>>,
+    /// Full topic names, by the index records name them with.
+    names: RefCell<Vec<Rc<str>>>,
+    log: RefCell<Vec<Record>>,
     next_entry: Cell<u64>,
     producers_created: RefCell<Vec<String>>,
     failing_subscribes: RefCell<HashSet<String>>,
@@ -62,7 +110,6 @@ struct Broker {
     failing_producers: RefCell<HashMap<String, usize>>,
     failing_publishes: RefCell<HashMap<String, usize>>,
     fail_close: Cell<bool>,
-    failing_settlements: RefCell<HashSet<String>>,
     closed: Cell<bool>,
     open_consumers: Cell<usize>,
 }
@@ -70,6 +117,8 @@ struct Broker {
 #[derive(Default)]
 struct Topic {
     name: Rc<str>,
+    /// Its place in the broker's `names`.
+    index: u32,
     backlog: RefCell<VecDeque<Message>>,
     /// Messages handed to a consumer and neither acked nor nacked yet, by
     /// entry id (unique in this broker, so it is its own hash). The map
@@ -79,6 +128,8 @@ struct Topic {
     ended: Cell<bool>,
     /// Receives still to fail.
     failing_receives: Cell<usize>,
+    /// Whether acks and nacks fail.
+    failing_settlements: Cell<bool>,
     received: Cell<u64>,
     acked: Cell<usize>,
     published: RefCell<Vec<OutgoingMessage>>,
@@ -126,8 +177,12 @@ impl MemoryTransport {
         let topic = topics
             .entry(full_name.clone())
             .or_insert_with(|| {
+                let mut names = self.broker.names.borrow_mut();
+                let name: Rc<str> = full_name.into();
+                names.push(name.clone());
                 Rc::new(Topic {
-                    name: full_name.into(),
+                    name,
+                    index: u32::try_from(names.len() - 1).expect("fewer than 2^32 topics"),
                     ..Default::default()
                 })
             })
@@ -164,7 +219,26 @@ impl MemoryTransport {
 
     /// Every publish, ack and nack so far, in order.
     pub fn events(&self) -> Vec<Event> {
-        self.broker.events.borrow().clone()
+        let names = self.broker.names.borrow();
+        self.broker
+            .log
+            .borrow()
+            .iter()
+            .map(|record| {
+                let topic = names[record.topic as usize].clone();
+                match record.kind {
+                    Kind::Published => Event::Published { topic },
+                    Kind::Acked => Event::Acked {
+                        topic,
+                        id: record.id(),
+                    },
+                    Kind::Nacked => Event::Nacked {
+                        topic,
+                        id: record.id(),
+                    },
+                }
+            })
+            .collect()
     }
 
     /// Ids acknowledged on `topic`, in order.
@@ -178,16 +252,16 @@ impl MemoryTransport {
     }
 
     fn settled_ids(&self, topic: &str, acked: bool) -> Vec<MessageId> {
-        let topic = full(topic);
+        let Some(topic) = self.broker.topics.borrow().get(&full(topic)).cloned() else {
+            return Vec::new();
+        };
+        let kind = if acked { Kind::Acked } else { Kind::Nacked };
         self.broker
-            .events
+            .log
             .borrow()
             .iter()
-            .filter_map(|event| match event {
-                Event::Acked { topic: t, id } if acked && **t == *topic => Some(id.clone()),
-                Event::Nacked { topic: t, id } if !acked && **t == *topic => Some(id.clone()),
-                _ => None,
-            })
+            .filter(|record| record.kind == kind && record.topic == topic.index)
+            .map(Record::id)
             .collect()
     }
 
@@ -271,10 +345,7 @@ impl MemoryTransport {
     /// Makes every later ack and nack on `topic` fail, as acks into a
     /// broken connection would.
     pub fn fail_settlements(&self, topic: &str) {
-        self.broker
-            .failing_settlements
-            .borrow_mut()
-            .insert(full(topic));
+        self.topic(topic).failing_settlements.set(true);
     }
 
     /// Makes `close` report an error (after closing all the same).
@@ -389,14 +460,18 @@ pub struct MemoryConsumer {
 
 impl MemoryConsumer {
     fn refuse_if_failing(&self, what: &str) -> Result<(), TransportError> {
-        let failing = self.broker.failing_settlements.borrow();
-        if failing.is_empty() || !failing.contains(&*self.topic.name) {
+        if !self.topic.failing_settlements.get() {
             return Ok(());
         }
         Err(TransportError::Injected(format!(
             "{what} on {}",
             self.topic.name
         )))
+    }
+
+    fn log(&self, kind: Kind, id: &MessageId) {
+        let record = Record::new(kind, &self.topic, Some(id));
+        self.broker.log.borrow_mut().push(record);
     }
 }
 
@@ -438,10 +513,7 @@ impl Consumer for MemoryConsumer {
         self.refuse_if_failing("ack")?;
         self.topic.unsettled.borrow_mut().remove(&id.entry_id());
         self.topic.acked.set(self.topic.acked.get() + 1);
-        self.broker.events.borrow_mut().push(Event::Acked {
-            topic: self.topic.name.clone(),
-            id: id.clone(),
-        });
+        self.log(Kind::Acked, id);
         self.topic.settled();
         Ok(())
     }
@@ -449,10 +521,7 @@ impl Consumer for MemoryConsumer {
     fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
         self.refuse_if_failing("nack")?;
         let redelivery = self.topic.unsettled.borrow_mut().remove(&id.entry_id());
-        self.broker.events.borrow_mut().push(Event::Nacked {
-            topic: self.topic.name.clone(),
-            id: id.clone(),
-        });
+        self.log(Kind::Nacked, id);
         if let Some(mut message) = redelivery {
             message.redelivery_count = Some(message.redelivery_count.unwrap_or(0) + 1);
             self.topic.push(message, true);
@@ -534,18 +603,56 @@ impl Producer for MemoryProducer {
             }
         }
         self.topic.published.borrow_mut().push(message.clone());
-        self.transport
-            .broker
-            .events
-            .borrow_mut()
-            .push(Event::Published {
-                topic: self.topic.name.clone(),
-            });
+        let record = Record::new(Kind::Published, &self.topic, None);
+        self.transport.broker.log.borrow_mut().push(record);
         self.transport.send_message(&self.topic.name, message);
         Ok(())
     }
 
     async fn close(&self) -> Result<(), TransportError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_log_keeps_every_event_in_order_with_its_topic_and_id() {
+        let transport = MemoryTransport::new();
+        let mut jobs = transport
+            .subscribe(&ConsumerSpec::new("jobs"))
+            .await
+            .expect("subscribed");
+        let mut other = transport
+            .subscribe(&ConsumerSpec::new("persistent://public/default/other"))
+            .await
+            .expect("subscribed");
+        let first = transport.send("jobs", "a");
+        let second = transport.send("other", "b");
+        jobs.ack(&first).expect("acked");
+        other.nack(&second).expect("nacked");
+
+        let jobs_topic: Rc<str> = "persistent://public/default/jobs".into();
+        let other_topic: Rc<str> = "persistent://public/default/other".into();
+        // Publishes through `send` are not a producer's, so not logged.
+        assert_eq!(
+            transport.events(),
+            [
+                Event::Acked {
+                    topic: jobs_topic,
+                    id: first.clone()
+                },
+                Event::Nacked {
+                    topic: other_topic,
+                    id: second.clone()
+                },
+            ]
+        );
+        assert_eq!(transport.acked("persistent://public/default/jobs"), [first]);
+        assert!(transport.acked("other").is_empty());
+        assert_eq!(transport.nacked("other"), [second]);
+        assert!(transport.nacked("never-used").is_empty());
     }
 }
