@@ -307,8 +307,10 @@ impl<T: Transport> Router<T> {
         outcome: Outcome,
     ) -> Action {
         match outcome {
-            Outcome::Succeeded(reply) => match (&policy.reply_topic, reply) {
-                (Some(reply_topic), Some(reply)) => Action::Publish(Box::new(Publish {
+            // The reply first: most handlers return none, and then the
+            // policy is not read at all.
+            Outcome::Succeeded(reply) => match (reply, &policy.reply_topic) {
+                (Some(reply), Some(reply_topic)) => Action::Publish(Box::new(Publish {
                     kind: PublishKind::Reply,
                     topic: reply_topic.clone(),
                     outgoing: OutgoingMessage::new(reply),

@@ -114,9 +114,18 @@ struct Broker {
     open_consumers: Cell<usize>,
 }
 
+// In C order, what each receive and ack touches first, so that with many
+// topics a message finds those fields in two or three cache lines.
 #[derive(Default)]
+#[repr(C)]
 struct Topic {
-    name: Rc<str>,
+    ended: Cell<bool>,
+    /// Whether acks and nacks fail.
+    failing_settlements: Cell<bool>,
+    /// Receives still to fail.
+    failing_receives: Cell<usize>,
+    received: Cell<u64>,
+    acked: Cell<usize>,
     /// Its place in the broker's `names`.
     index: u32,
     backlog: RefCell<VecDeque<Message>>,
@@ -124,16 +133,10 @@ struct Topic {
     /// entry id (unique in this broker, so it is its own hash). The map
     /// keeps its capacity, so steady traffic allocates nothing.
     unsettled: RefCell<HashMap<u64, Message, BuildIdentity>>,
-    consumer_waker: Cell<Option<Waker>>,
-    ended: Cell<bool>,
-    /// Receives still to fail.
-    failing_receives: Cell<usize>,
-    /// Whether acks and nacks fail.
-    failing_settlements: Cell<bool>,
-    received: Cell<u64>,
-    acked: Cell<usize>,
-    published: RefCell<Vec<OutgoingMessage>>,
     settle_waker: Cell<Option<Waker>>,
+    consumer_waker: Cell<Option<Waker>>,
+    name: Rc<str>,
+    published: RefCell<Vec<OutgoingMessage>>,
 }
 
 impl Topic {
