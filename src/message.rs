@@ -3,7 +3,10 @@
 //! [`Message`] is what a transport produces and a handler reads: payload,
 //! properties, keys, times, topic, message id and redelivery count. It is
 //! plain owned data so that the scheduler can hold it in a slot and the
-//! failure router can republish it after the handler has returned.
+//! failure router can republish it after the handler has returned. What
+//! many messages lack (properties, keys, event time) sits behind one shared
+//! pointer, so that a message is 136 bytes instead of 216 and costs less to
+//! store, copy and clone.
 
 use std::fmt;
 use std::rc::Rc;
@@ -69,17 +72,42 @@ impl fmt::Display for MessageId {
 }
 
 /// A received message, as handed to a handler.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Message {
     pub(crate) topic: Rc<str>,
     pub(crate) id: MessageId,
     pub(crate) payload: Vec<u8>,
+    /// `None` when the message has none of it.
+    metadata: Option<Rc<Metadata>>,
+    pub(crate) publish_time: u64,
+    pub(crate) redelivery_count: Option<u32>,
+}
+
+/// The parts of a message that many messages lack, kept apart: a clone
+/// shares them, and a message without any holds only an empty pointer.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Metadata {
     pub(crate) properties: Vec<(String, String)>,
     pub(crate) partition_key: Option<String>,
     pub(crate) ordering_key: Option<Vec<u8>>,
     pub(crate) event_time: Option<u64>,
-    pub(crate) publish_time: u64,
-    pub(crate) redelivery_count: Option<u32>,
+}
+
+/// What a message without metadata reads.
+static NO_METADATA: Metadata = Metadata {
+    properties: Vec::new(),
+    partition_key: None,
+    ordering_key: None,
+    event_time: None,
+};
+
+impl Metadata {
+    fn is_empty(&self) -> bool {
+        self.properties.is_empty()
+            && self.partition_key.is_none()
+            && self.ordering_key.is_none()
+            && self.event_time.is_none()
+    }
 }
 
 impl Message {
@@ -90,36 +118,48 @@ impl Message {
             topic: topic.into(),
             id,
             payload,
-            properties: Vec::new(),
-            partition_key: None,
-            ordering_key: None,
-            event_time: None,
+            metadata: None,
             publish_time: 0,
             redelivery_count: None,
         }
     }
 
+    /// Sets the properties, keys and event time at once, allocating only
+    /// when there is any.
+    pub(crate) fn set_metadata(&mut self, metadata: Metadata) {
+        self.metadata = (!metadata.is_empty()).then(|| Rc::new(metadata));
+    }
+
+    pub(crate) fn metadata(&self) -> &Metadata {
+        self.metadata.as_deref().unwrap_or(&NO_METADATA)
+    }
+
+    fn metadata_mut(&mut self) -> &mut Metadata {
+        Rc::make_mut(self.metadata.get_or_insert_with(Rc::default))
+    }
+
     /// Adds a property.
     pub fn with_property(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.properties.push((key.into(), value.into()));
+        let property = (key.into(), value.into());
+        self.metadata_mut().properties.push(property);
         self
     }
 
     /// Sets the partition key.
     pub fn with_partition_key(mut self, key: impl Into<String>) -> Self {
-        self.partition_key = Some(key.into());
+        self.metadata_mut().partition_key = Some(key.into());
         self
     }
 
     /// Sets the ordering key.
     pub fn with_ordering_key(mut self, key: impl Into<Vec<u8>>) -> Self {
-        self.ordering_key = Some(key.into());
+        self.metadata_mut().ordering_key = Some(key.into());
         self
     }
 
     /// Sets the event time (milliseconds since the Unix epoch).
     pub fn with_event_time(mut self, millis: u64) -> Self {
-        self.event_time = Some(millis);
+        self.metadata_mut().event_time = Some(millis);
         self
     }
 
@@ -152,29 +192,30 @@ impl Message {
 
     /// Every property, in the order the producer set them.
     pub fn properties(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.properties
+        self.metadata()
+            .properties
             .iter()
             .map(|(key, value)| (key.as_str(), value.as_str()))
     }
 
     /// The value of one property.
     pub fn property(&self, key: &str) -> Option<&str> {
-        find_property(&self.properties, key)
+        find_property(&self.metadata().properties, key)
     }
 
     /// The partition key (Pulsar's message key).
     pub fn partition_key(&self) -> Option<&str> {
-        self.partition_key.as_deref()
+        self.metadata().partition_key.as_deref()
     }
 
     /// The ordering key, used by Key_Shared subscriptions.
     pub fn ordering_key(&self) -> Option<&[u8]> {
-        self.ordering_key.as_deref()
+        self.metadata().ordering_key.as_deref()
     }
 
     /// The producer-set event time in milliseconds since the Unix epoch.
     pub fn event_time(&self) -> Option<u64> {
-        self.event_time
+        self.metadata().event_time
     }
 
     /// The broker's publish time in milliseconds since the Unix epoch.
@@ -190,6 +231,23 @@ impl Message {
     /// `None`; the in-memory transport counts its own redeliveries.
     pub fn redelivery_count(&self) -> Option<u32> {
         self.redelivery_count
+    }
+}
+
+impl fmt::Debug for Message {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let metadata = self.metadata();
+        f.debug_struct("Message")
+            .field("topic", &self.topic)
+            .field("id", &self.id)
+            .field("payload", &self.payload)
+            .field("properties", &metadata.properties)
+            .field("partition_key", &metadata.partition_key)
+            .field("ordering_key", &metadata.ordering_key)
+            .field("event_time", &metadata.event_time)
+            .field("publish_time", &self.publish_time)
+            .field("redelivery_count", &self.redelivery_count)
+            .finish()
     }
 }
 
@@ -219,5 +277,25 @@ mod tests {
         assert_eq!(message.property("b"), Some("2"));
         assert_eq!(message.property("c"), None);
         assert_eq!(message.properties().count(), 2);
+    }
+
+    #[test]
+    fn a_clone_shares_metadata_until_one_side_changes_it() {
+        let original = Message::new("t", MessageId::new(1, 1, -1, None), Vec::new())
+            .with_property("a", "1")
+            .with_partition_key("k");
+        let changed = original.clone().with_property("b", "2").with_event_time(7);
+        assert_eq!(original.properties().count(), 1);
+        assert_eq!(original.event_time(), None);
+        assert_eq!(changed.property("a"), Some("1"));
+        assert_eq!(changed.property("b"), Some("2"));
+        assert_eq!(changed.partition_key(), Some("k"));
+        assert_eq!(changed.event_time(), Some(7));
+
+        let bare = Message::new("t", MessageId::new(1, 2, -1, None), Vec::new());
+        assert_eq!(bare.properties().count(), 0);
+        assert_eq!((bare.partition_key(), bare.ordering_key()), (None, None));
+        // What keeps a message cheap to store and copy.
+        assert!(std::mem::size_of::<Message>() <= 136);
     }
 }

@@ -18,7 +18,7 @@ use std::task::{Context, Poll, Waker};
 
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
 use crate::hash::BuildIdentity;
-use crate::message::{Message, MessageId};
+use crate::message::{Message, MessageId, Metadata};
 use crate::topic::full_topic_name;
 
 /// An in-memory transport. Cloning it gives another handle to the same
@@ -211,10 +211,12 @@ impl MemoryTransport {
         let topic = self.topic(topic);
         let id = self.next_id();
         let mut received = Message::new(topic.name.clone(), id.clone(), message.payload);
-        received.properties = message.properties;
-        received.partition_key = message.partition_key;
-        received.ordering_key = message.ordering_key;
-        received.event_time = message.event_time;
+        received.set_metadata(Metadata {
+            properties: message.properties,
+            partition_key: message.partition_key,
+            ordering_key: message.ordering_key,
+            event_time: message.event_time,
+        });
         received.redelivery_count = Some(0);
         topic.push(received, false);
         id

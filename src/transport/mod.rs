@@ -133,12 +133,13 @@ impl OutgoingMessage {
 
     /// The same content as a received message, ready to be republished.
     pub fn from_received(message: &Message) -> Self {
+        let metadata = message.metadata();
         OutgoingMessage {
             payload: message.payload.clone(),
-            properties: message.properties.clone(),
-            partition_key: message.partition_key.clone(),
-            ordering_key: message.ordering_key.clone(),
-            event_time: message.event_time,
+            properties: metadata.properties.clone(),
+            partition_key: metadata.partition_key.clone(),
+            ordering_key: metadata.ordering_key.clone(),
+            event_time: metadata.event_time,
             deliver_at_time: None,
         }
     }

@@ -30,7 +30,7 @@ use super::nodelay::BrokerSockets;
 use super::partition::{Partition, Subscriber};
 use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks};
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
-use crate::message::{Message, MessageId};
+use crate::message::{Message, MessageId, Metadata};
 
 /// A connection to a Pulsar cluster through the `pulsar` crate.
 pub struct PulsarTransport {
@@ -246,14 +246,16 @@ impl PulsarConsumer {
         }
         let topic = self.partitions[partition].topic.clone();
         let mut message = Message::new(topic, MessageId(id), data);
-        message.properties = metadata
-            .properties
-            .into_iter()
-            .map(|pair| (pair.key, pair.value))
-            .collect();
-        message.partition_key = metadata.partition_key;
-        message.ordering_key = metadata.ordering_key;
-        message.event_time = metadata.event_time;
+        message.set_metadata(Metadata {
+            properties: metadata
+                .properties
+                .into_iter()
+                .map(|pair| (pair.key, pair.value))
+                .collect(),
+            partition_key: metadata.partition_key,
+            ordering_key: metadata.ordering_key,
+            event_time: metadata.event_time,
+        });
         message.publish_time = metadata.publish_time;
         message
     }
