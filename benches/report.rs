@@ -1121,6 +1121,7 @@ fn profile(what: &str) {
     let elapsed = match what {
         "ours" => on_local(support::ours(workload)),
         "ours-k1000" => on_local(support::ours(Workload::new(1000, 20, messages))),
+        "ours-large-future" => on_local(support::ours(workload.large_future())),
         "ours-k1000-l16" => on_local(support::ours(Workload::new(1000, 20, messages).levels(16))),
         "ours-info" => features::with_info_subscriber(|| on_local(support::ours(workload))),
         "ours-prometheus" => features::with_prometheus(|| on_local(support::ours(workload))),

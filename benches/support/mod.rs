@@ -43,6 +43,9 @@ pub struct Workload {
     pub keys: usize,
     /// How each subscription's messages may overlap.
     pub ordering: MessageOrdering,
+    /// Whether the handler's future holds 1 KiB across an await (ours
+    /// only), as a handler with a buffer would.
+    pub large_future: bool,
 }
 
 impl Workload {
@@ -54,7 +57,14 @@ impl Workload {
             messages,
             keys: 0,
             ordering: MessageOrdering::Unordered,
+            large_future: false,
         }
+    }
+
+    /// The handler's future holds 1 KiB across an await.
+    pub fn large_future(mut self) -> Self {
+        self.large_future = true;
+        self
     }
 
     /// Messages carry `keys` distinct partition keys in turn, and each
@@ -121,6 +131,21 @@ pub struct OursRun {
     pub allocs_per_msg: Option<f64>,
 }
 
+/// [`counting_handler`] with 1 KiB in its future, kept across an await.
+fn large_future_handler(
+    count: Rc<Cell<usize>>,
+    done: Rc<Notify>,
+    total: usize,
+) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
+    let counting = counting_handler(count, done, total);
+    async move |message: &Message| {
+        let buffer = std::hint::black_box([0u8; 1024]);
+        std::future::ready(()).await;
+        std::hint::black_box(&buffer);
+        counting(message).await
+    }
+}
+
 /// Our dispatcher on the in-memory transport. Must be called inside a
 /// `LocalSet`.
 pub async fn ours(workload: Workload) -> Duration {
@@ -142,6 +167,7 @@ pub async fn ours_counted(
         messages,
         keys,
         ordering,
+        large_future,
     } = workload;
     assert!(subscriptions > 0 && levels > 0 && warmup < messages.max(1));
     let transport = MemoryTransport::new();
@@ -160,6 +186,10 @@ pub async fn ours_counted(
             .priority((index % levels) as i64)
             .ordering(ordering);
         match allocations {
+            None if large_future => {
+                let handler = large_future_handler(count.clone(), done.clone(), messages);
+                dispatcher.subscribe(topic, handler, options).await
+            }
             None => {
                 let handler = counting_handler(count.clone(), done.clone(), messages);
                 dispatcher.subscribe(topic, handler, options).await

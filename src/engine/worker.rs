@@ -145,11 +145,28 @@ where
         let span = job.span(engine);
         let started = job.since.map(|_| Instant::now());
         let handler: &F = job.handler();
-        let handled = AssertUnwindSafe(handler(job.message())).catch_unwind();
         let subscription = &job.subscription;
-        let handled = match &span {
-            None => within_deadline(handled, subscription).await,
-            Some(span) => within_deadline(handled.instrument(span.clone()), subscription).await,
+        // Each branch builds the handler's future where it is awaited: a
+        // future passed on by value (to a helper `async fn`, say) is copied
+        // on the way, twice per message, and a handler's future can be
+        // large.
+        let handle = || AssertUnwindSafe(handler(job.message())).catch_unwind();
+        let handled = match (&span, subscription.processing_timeout) {
+            (None, None) => Some(handle().await),
+            (Some(span), None) => Some(handle().instrument(span.clone()).await),
+            (span, Some(limit)) => {
+                let deadline = Instant::now() + limit;
+                subscription.started_with_deadline(deadline);
+                let handled = match span {
+                    None => tokio::time::timeout_at(deadline, handle()).await,
+                    Some(span) => {
+                        let handled = handle().instrument(span.clone());
+                        tokio::time::timeout_at(deadline, handled).await
+                    }
+                };
+                subscription.finished_with_deadline(deadline);
+                handled.ok()
+            }
         };
         if let (Some(since), Some(started)) = (job.since, started) {
             let ran = started.elapsed();
@@ -324,22 +341,6 @@ impl<T: Transport, W: Future<Output = ()>> Future for WorkerTask<T, W> {
         }
         polled
     }
-}
-
-/// Runs a handler's future to its end, or, with a processing timeout, until
-/// the deadline (`None`), when the future is dropped.
-async fn within_deadline<T: Transport, H: Future>(
-    handled: H,
-    subscription: &Subscription<T>,
-) -> Option<H::Output> {
-    let Some(limit) = subscription.processing_timeout else {
-        return Some(handled.await);
-    };
-    let deadline = Instant::now() + limit;
-    subscription.started_with_deadline(deadline);
-    let handled = tokio::time::timeout_at(deadline, handled).await.ok();
-    subscription.finished_with_deadline(deadline);
-    handled
 }
 
 /// One dispatched message: its permit, its storage and its settlement.

@@ -244,34 +244,50 @@ fn handlers_and_settlement_run_inside_a_span_per_message() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(1);
         let id = transport.send("jobs", "fail");
-        dispatcher
-            .subscribe(
+        // With a processing deadline the handler runs inside the span too.
+        let timed_id = transport.send("timed", "ok");
+        let subscriptions = [
+            (
                 "jobs",
-                async |_: &Message| {
-                    tracing::info!("the handler says hello");
-                    Err::<(), _>("no")
-                },
                 options(3).negative_ack_redelivery_delay(Duration::from_secs(60)),
-            )
-            .await
-            .unwrap();
+            ),
+            (
+                "timed",
+                options(2).processing_timeout(Duration::from_secs(60)),
+            ),
+        ];
+        for (topic, options) in subscriptions {
+            let handler = async |message: &Message| {
+                tracing::info!("the handler says hello");
+                match message.payload() {
+                    b"ok" => Ok(()),
+                    _ => Err("no"),
+                }
+            };
+            dispatcher.subscribe(topic, handler, options).await.unwrap();
+        }
         let dispatcher = Rc::new(dispatcher);
         let run = spawn_run(&dispatcher);
         settle_down().await;
         dispatcher.close().await;
         run.await.unwrap().unwrap();
         let output = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
-        let span =
-            format!("message{{topic=persistent://public/default/jobs message_id={id} priority=3");
-        let lines_in_span: Vec<&str> = output.lines().filter(|l| l.contains(&span)).collect();
+        let lines_in_span = |topic: &str, id: &crate::MessageId, priority: i64| -> Vec<&str> {
+            let span = format!(
+                "message{{topic=persistent://public/default/{topic} message_id={id} priority={priority}"
+            );
+            output.lines().filter(|l| l.contains(&span)).collect()
+        };
+        let said_hello =
+            |lines: &[&str]| lines.iter().any(|l| l.contains("the handler says hello"));
         assert!(
-            lines_in_span
-                .iter()
-                .any(|l| l.contains("the handler says hello")),
+            said_hello(&lines_in_span("timed", &timed_id, 2)),
             "{output}"
         );
+        let jobs_lines = lines_in_span("jobs", &id, 3);
+        assert!(said_hello(&jobs_lines), "{output}");
         assert!(
-            lines_in_span
+            jobs_lines
                 .iter()
                 .any(|l| l.contains("handler failed; nacking")),
             "the engine's events use the span too: {output}"
