@@ -102,6 +102,7 @@ struct Broker {
     topics: RefCell<HashMap<String, Rc<Topic>>>,
     /// Full topic names, by the index records name them with.
     names: RefCell<Vec<Rc<str>>>,
+    /// Every publish, ack and nack, in order.
     log: RefCell<Vec<Record>>,
     next_entry: Cell<u64>,
     producers_created: RefCell<Vec<String>>,
