@@ -245,7 +245,7 @@ impl PulsarConsumer {
             id.partition = Some(partition as i32);
         }
         let topic = self.partitions[partition].topic.clone();
-        let mut message = Message::new(topic, MessageId(id), data);
+        let mut message = Message::new(topic, MessageId::from_broker(id), data);
         message.set_metadata(Metadata {
             properties: metadata
                 .properties
@@ -290,7 +290,7 @@ impl PulsarConsumer {
     }
 
     fn send_settlement(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
-        self.partition_of(id)?.settle(id.0.clone(), succeeded)
+        self.partition_of(id)?.settle(id.to_broker(), succeeded)
     }
 }
 

@@ -29,8 +29,7 @@ impl BatchSettlements {
     /// it, `Some(false)` to nack it, `None` while batch-mates are pending.
     /// Messages outside a batch are passed straight through.
     pub(super) fn settle(&mut self, id: &MessageId, succeeded: bool) -> Option<bool> {
-        let raw = &id.0;
-        let (Some(index), Some(size)) = (raw.batch_index, raw.batch_size) else {
+        let (Some(index), Some(size)) = (id.batch_index(), id.batch_size()) else {
             return Some(succeeded);
         };
         let (Ok(index), Ok(size)) = (usize::try_from(index), usize::try_from(size)) else {
@@ -39,7 +38,7 @@ impl BatchSettlements {
         if size <= 1 || index >= size {
             return Some(succeeded);
         }
-        let entry = (raw.ledger_id, raw.entry_id, id.partition());
+        let entry = (id.ledger_id(), id.entry_id(), id.partition());
         let progress = self.by_entry.entry(entry).or_insert_with(|| BatchProgress {
             settled: vec![false; size],
             all_succeeded: true,
@@ -134,9 +133,7 @@ mod tests {
     use super::*;
 
     fn member(entry: u64, index: i32, size: i32) -> MessageId {
-        let mut id = MessageId::new(1, entry, -1, Some(index));
-        id.0.batch_size = Some(size);
-        id
+        MessageId::new(1, entry, -1, Some(index)).with_batch_size(size)
     }
 
     #[test]
