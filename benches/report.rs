@@ -1220,7 +1220,7 @@ fn profile(what: &str) {
                 return;
             }
             panic!(
-                "unknown profile target {other}; use ours, ours-k1000, ours-k1000-l16, floor, \
+                "unknown profile target {other}; use ours, ours-large-future, ours-k1000, ours-k1000-l16, floor, \
                  plain, mt, side-by-side, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, bursts-<n>, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
                  e2e-ours, e2e-raw or e2e-transport"
             )
