@@ -98,23 +98,40 @@ impl Phase {
 /// Storage for one message, reused from message to message: a message is
 /// received into it, waits in its slot, and is read by its handler where it
 /// is, so that it is never moved once stored. Emptied when its job ends.
-pub(crate) struct MessageBox(Box<Option<Message>>);
+/// The time it arrived in its slot lives here too, not in the
+/// [`Delivery`] and [`Job`] that carry the box: those are moved from slot
+/// to worker, and every byte they do not hold is a byte not copied.
+pub(crate) struct MessageBox(Box<Stored>);
+
+struct Stored {
+    message: Option<Message>,
+    /// When the message arrived in its slot (with timings on).
+    since: Option<Instant>,
+}
 
 impl MessageBox {
     fn empty() -> Self {
-        MessageBox(Box::new(None))
+        MessageBox(Box::new(Stored {
+            message: None,
+            since: None,
+        }))
     }
 
     /// Where a consumer writes the message it receives.
     pub(crate) fn slot(&mut self) -> &mut Option<Message> {
-        &mut self.0
+        &mut self.0.message
     }
 
     pub(crate) fn get(&self) -> &Message {
         self.0
-            .as_ref()
+            .message
             .as_ref()
             .expect("a box in use holds a message")
+    }
+
+    /// When the message arrived in its slot, if timings are on.
+    pub(crate) fn since(&self) -> Option<Instant> {
+        self.0.since
     }
 }
 
@@ -122,8 +139,6 @@ impl MessageBox {
 pub(crate) struct Delivery<T: Transport> {
     subscription: Rc<Subscription<T>>,
     message: MessageBox,
-    /// When it arrived in its slot (with timings on).
-    since: Option<Instant>,
 }
 
 /// The pool of workers of one handler type, with the type erased.
@@ -370,11 +385,10 @@ impl<T: Transport> Engine<T> {
             let Delivery {
                 subscription,
                 message,
-                since,
             } = delivery;
             bump(&subscription.counters.dispatched);
             self.refill(&subscription);
-            let mut job = Job::new(self.clone(), subscription, message, permit, since);
+            let mut job = Job::new(self.clone(), subscription, message, permit);
             if job.pool() != keep {
                 job.hand_over();
             } else if next.is_none() && queue.is_empty() {
@@ -464,12 +478,12 @@ impl<T: Transport> Engine<T> {
     /// be queued goes straight back to the broker; refilling only an empty
     /// slot while running makes that a safety net. Returns whether it was
     /// queued.
-    fn offer(&self, subscription: &Rc<Subscription<T>>, message: MessageBox) -> bool {
+    fn offer(&self, subscription: &Rc<Subscription<T>>, mut message: MessageBox) -> bool {
         let order_key = subscription.order_key(message.get());
+        message.0.since = self.timings.then(Instant::now);
         let delivery = Delivery {
             subscription: subscription.clone(),
             message,
-            since: self.timings.then(Instant::now),
         };
         let inserted =
             self.scheduler
@@ -497,7 +511,7 @@ impl<T: Transport> Engine<T> {
     /// Takes an emptied message box back for the next message.
     #[inline(always)]
     pub(crate) fn recycle(&self, mut message: MessageBox) {
-        *message.0 = None;
+        message.0.message = None;
         self.spares.borrow_mut().push(message);
     }
 

@@ -143,7 +143,8 @@ where
     /// settles the message by the handler's outcome.
     async fn run(&self, job: &mut Job<T>, engine: &Engine<T>) {
         let span = job.span(engine);
-        let started = job.since.map(|_| Instant::now());
+        let since = job.since();
+        let started = since.map(|_| Instant::now());
         let handler: &F = job.handler();
         let subscription = &job.subscription;
         // Each branch builds the handler's future where it is awaited: a
@@ -168,7 +169,7 @@ where
                 handled.ok()
             }
         };
-        if let (Some(since), Some(started)) = (job.since, started) {
+        if let (Some(since), Some(started)) = (since, started) {
             let ran = started.elapsed();
             job.subscription
                 .record_timings(started.saturating_duration_since(since), ran);
@@ -356,8 +357,6 @@ pub(crate) struct Job<T: Transport> {
     message: Option<MessageBox>,
     /// Given back to the scheduler when the job ends.
     permit: Option<Permit>,
-    /// When the message arrived in its slot (with timings on).
-    since: Option<Instant>,
     /// Handed to a worker that has not started it yet.
     handed_over: bool,
     /// When it was picked, a message of a better priority picked earlier
@@ -372,7 +371,6 @@ impl<T: Transport> Job<T> {
         subscription: Rc<Subscription<T>>,
         message: MessageBox,
         permit: Permit,
-        since: Option<Instant>,
     ) -> Self {
         let priority = permit.priority();
         let picked_behind_better = engine.better_handover_pending(priority);
@@ -381,7 +379,6 @@ impl<T: Transport> Job<T> {
             subscription,
             message: Some(message),
             permit: Some(permit),
-            since,
             handed_over: false,
             picked_behind_better,
             finished: false,
@@ -467,6 +464,14 @@ impl<T: Transport> Job<T> {
             .expect("a pool runs only handlers of its own type")
     }
 
+    /// When the message arrived in its slot, if timings are on.
+    fn since(&self) -> Option<Instant> {
+        self.message
+            .as_ref()
+            .expect("a job holds its message until it ends")
+            .since()
+    }
+
     fn message(&self) -> &Message {
         self.message
             .as_ref()
@@ -529,5 +534,17 @@ impl<T: Transport> Drop for Job<T> {
         if self.subscription.is_removing() {
             self.engine.drained.notify_waiters();
         }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::Job;
+    use crate::transport::MemoryTransport;
+
+    #[test]
+    fn a_job_fits_in_one_cache_line() {
+        // A job is moved from the dispatch to its worker, through a queue
+        // or an inbox; the time its message arrived stays in the box.
+        assert!(std::mem::size_of::<Job<MemoryTransport>>() <= 64);
     }
 }
