@@ -193,6 +193,10 @@ const LOW_PRIORITY_WORK: u64 = 500;
 /// saturation rate.
 const LOADS: [u32; 4] = [10, 50, 80, 95];
 
+/// How many halvings the search for ours' sustained rate takes (the rate
+/// is then known to 1/64 of the range searched).
+const SUSTAINED_RATE_STEPS: u32 = 6;
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Some(at) = args.iter().position(|a| a == "--profile") {
@@ -597,17 +601,33 @@ fn run(options: &Options) -> Map<String, Value> {
 
 /// The open-loop latency benchmarks, ours and the port, and idle latency.
 fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut Map<String, Value>) {
-    eprintln!("in memory: ours' saturation rate with the arrival loop on its thread");
-    on_local(latency::ours_saturation(sizes.latency / 4));
-    let saturation = median(
+    eprintln!("in memory: ours' backlog and sustained rates with the arrival loop on its thread");
+    on_local(latency::ours_backlog_rate(sizes.latency / 4));
+    let backlog_rate = median(
         (0..3)
-            .map(|_| on_local(latency::ours_saturation(sizes.latency)))
+            .map(|_| on_local(latency::ours_backlog_rate(sizes.latency)))
             .collect(),
     );
-    emit(json!({"bench": "saturation", "messages": sizes.latency, "msgs_per_s": saturation}));
+    let saturation = median(
+        (0..3)
+            .map(|_| {
+                on_local(latency::ours_sustained_rate(
+                    backlog_rate,
+                    sizes.latency / 4,
+                    SUSTAINED_RATE_STEPS,
+                ))
+            })
+            .collect(),
+    );
+    emit(
+        json!({"bench": "saturation", "messages": sizes.latency, "msgs_per_s": saturation,
+                "backlog_msgs_per_s": backlog_rate}),
+    );
     insert(report, "saturation_msgs_per_s", saturation);
+    insert(report, "backlog_msgs_per_s", backlog_rate);
     let mut detail = Map::new();
     detail.insert("saturation_msgs_per_s".into(), json!(saturation));
+    detail.insert("backlog_msgs_per_s".into(), json!(backlog_rate));
 
     eprintln!("in memory: idle latency, ours and the port");
     let ours_idle = Percentiles::of(&on_local(latency::ours_idle(sizes.idle)));
@@ -642,6 +662,10 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
         );
         let (lateness, _) = on_local(latency::ours_open_loop(interval, sizes.latency));
         let ours = steady(&lateness);
+        detail.insert(
+            format!("ours_{load}pct_kept_up"),
+            json!(latency::kept_up(&lateness)),
+        );
         let plain = steady(&on_local(latency::plain_open_loop(interval, sizes.latency)));
         let port = steady(&mt_port::open_loop(mt_runtime, interval, sizes.latency));
         let_workers_park();
@@ -669,6 +693,22 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
             _ => {}
         }
     }
+    // The load point the report used before the sustained rate: 80% of
+    // the backlog rate, which is past what ours sustains when messages
+    // trickle in, so that ours queues for the whole run.
+    let rate = backlog_rate * 0.8;
+    eprintln!("in memory: open-loop arrivals at 80% of the backlog rate ({rate:.0} msg/s): ours");
+    let (lateness, _) = on_local(latency::ours_open_loop(
+        Duration::from_secs_f64(1.0 / rate),
+        sizes.latency,
+    ));
+    let ours = steady(&lateness);
+    detail.insert(
+        "ours_80pct_of_backlog_kept_up".into(),
+        json!(latency::kept_up(&lateness)),
+    );
+    detail.insert("ours_80pct_of_backlog".into(), percentiles_json(&ours));
+    insert(report, "latency_p99_ns_at_80pct_of_backlog_rate", ours.p99);
     insert(report, "latency_ns", Value::Object(detail));
 }
 
@@ -1091,6 +1131,16 @@ fn smoke() {
     assert_eq!(lateness.len(), 2_000);
     let lateness = on_local(latency::plain_open_loop(Duration::from_micros(2), 2_000));
     assert_eq!(lateness.len(), 2_000);
+    // A queue that builds is not keeping up; a few late messages are.
+    assert!(!latency::kept_up(
+        &(0..1_000).map(|i| i * 1_000).collect::<Vec<_>>()
+    ));
+    assert!(latency::kept_up(
+        &[[500; 90].as_slice(), &[1_000_000; 4], &[500; 6]].concat()
+    ));
+    let backlog = on_local(latency::ours_backlog_rate(2_000));
+    let sustained = on_local(latency::ours_sustained_rate(backlog, 2_000, 2));
+    assert!(sustained >= backlog / 3.0 && sustained < backlog);
     assert_eq!(on_local(latency::ours_idle(50)).len(), 50);
     assert_eq!(
         mt_port::open_loop(&runtime, Duration::from_micros(5), 500).len(),
@@ -1171,6 +1221,14 @@ fn profile(what: &str) {
             println!("idle: {p:?}");
             return;
         }
+        "lone" => {
+            // One message at a time on an idle dispatcher, the sender
+            // woken by the handler: the cost of a lone message's path.
+            let ours = support::OursLatency::new();
+            let total = ours.measure(messages as u64);
+            println!("lone: {:?} per message", total / messages as u32);
+            return;
+        }
         "inversion" => {
             let found = on_local(latency::inversions(2_000, LOW_PRIORITY_WORK));
             println!(
@@ -1187,7 +1245,14 @@ fn profile(what: &str) {
                 // to compare two builds at the same offered rate.
                 let saturation = match std::env::var("SATURATION") {
                     Ok(rate) => rate.parse().expect("SATURATION=<messages per second>"),
-                    Err(_) => on_local(latency::ours_saturation(messages)),
+                    Err(_) => {
+                        let backlog = on_local(latency::ours_backlog_rate(messages));
+                        on_local(latency::ours_sustained_rate(
+                            backlog,
+                            messages / 2,
+                            SUSTAINED_RATE_STEPS,
+                        ))
+                    }
                 };
                 let interval = Duration::from_secs_f64(100.0 / (load * saturation));
                 let (lateness, _) = on_local(latency::ours_open_loop(interval, messages));
@@ -1221,7 +1286,7 @@ fn profile(what: &str) {
             }
             panic!(
                 "unknown profile target {other}; use ours, ours-large-future, ours-k1000, ours-k1000-l16, floor, \
-                 plain, mt, side-by-side, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, bursts-<n>, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
+                 plain, mt, side-by-side, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, lone, bursts-<n>, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
                  e2e-ours, e2e-raw or e2e-transport"
             )
         }

@@ -166,12 +166,50 @@ pub async fn ours_open_loop(interval: Duration, messages: usize) -> (Vec<u64>, u
     (lateness(&started, start, interval), last - start)
 }
 
-/// Ours' saturation rate with the arrival loop on the same thread: every
+/// Ours' backlog rate with the arrival loop on the same thread: every
 /// message is due at once, and the loop sends them (64 per turn) as fast as
-/// the thread lets it while the dispatcher drains them. Messages per second.
-pub async fn ours_saturation(messages: usize) -> f64 {
+/// the thread lets it while the dispatcher drains them; the loop, cheaper
+/// per message, soon leaves a backlog that workers drain without waiting.
+/// Messages per second.
+pub async fn ours_backlog_rate(messages: usize) -> f64 {
     let (_, span) = ours_open_loop(Duration::ZERO, messages).await;
     messages as f64 / (span.max(1) as f64 / 1e9)
+}
+
+/// How late, at most, the median of the last tenth of an open-loop run's
+/// messages may start for ours to count as keeping up with the rate. A
+/// queue that builds over a run of tens of milliseconds makes it grow to
+/// milliseconds; a run that keeps up has a median of a few microseconds,
+/// and one stall of the machine (tens of microseconds, rarely a few
+/// hundred) moves the median of thousands of messages little.
+const KEEPS_UP_NS: u64 = 100_000;
+
+/// Whether ours kept up in an open-loop run: see [`KEEPS_UP_NS`].
+pub fn kept_up(lateness: &[u64]) -> bool {
+    let mut last_tenth = lateness[lateness.len() - lateness.len() / 10..].to_vec();
+    last_tenth.sort_unstable();
+    last_tenth[last_tenth.len() / 2] <= KEEPS_UP_NS
+}
+
+/// Ours' sustained rate: the highest arrival rate, within `steps` halvings
+/// of the range from a third of `backlog_rate` to all of it, at which ours
+/// keeps up with the open-loop arrival loop ([`kept_up`]). Messages that
+/// trickle in cost more each than a backlog (each turn of the arrival loop
+/// wakes a worker for a few), so this is below the backlog rate, and it is
+/// the rate the open-loop loads are shares of: a load point past it only
+/// measures a queue. Must be called inside a `LocalSet`.
+pub async fn ours_sustained_rate(backlog_rate: f64, messages: usize, steps: u32) -> f64 {
+    let (mut kept, mut lost) = (backlog_rate / 3.0, backlog_rate);
+    for _ in 0..steps {
+        let rate = (kept + lost) / 2.0;
+        let (lateness, _) = ours_open_loop(Duration::from_secs_f64(1.0 / rate), messages).await;
+        if kept_up(&lateness) {
+            kept = rate;
+        } else {
+            lost = rate;
+        }
+    }
+    kept
 }
 
 /// Ours when idle: one message at a time, from just before `send` to its
