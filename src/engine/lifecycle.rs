@@ -97,8 +97,8 @@ impl<T: Transport> Engine<T> {
         // Registered before anything is looked at, so that no wake-up
         // between the look and the return is lost.
         self.woken.register_engine(cx.waker());
-        let mut queue = VecDeque::new();
-        let next = self.dispatch(NO_POOL, &mut queue);
+        let (mut queue, mut next) = (VecDeque::new(), None);
+        self.dispatch(NO_POOL, &mut queue, &mut next);
         debug_assert!(
             next.is_none() && queue.is_empty(),
             "the engine keeps no job"

@@ -347,36 +347,37 @@ impl<T: Transport> Engine<T> {
     /// Refills the slots of consumers that woke, then, while a permit is
     /// free, hands the best waiting message to a worker of its handler,
     /// refilling each slot it empties. Messages for the pool `keep` are for
-    /// the worker that asked to run them itself: the first is returned when
-    /// its `queue` is empty, the others go to the back of the queue, so
-    /// that the worker runs them in the order they were picked. (The first
-    /// is returned rather than queued because that is the common case, one
-    /// message per dispatch, and a job moved through the queue costs two
-    /// copies of it.)
+    /// the worker that asked to run them itself: the first goes to `next`
+    /// (which must be empty) when its `queue` is empty, the others to the
+    /// back of the queue, so that the worker runs them in the order they
+    /// were picked. (The first is written where the worker keeps the job
+    /// it runs, rather than returned or queued, because that is the common
+    /// case, one message per dispatch, and each move of a job is a copy.)
     pub(crate) fn dispatch(
         self: &Rc<Self>,
         keep: *const (),
         queue: &mut VecDeque<Job<T>>,
-    ) -> Option<Job<T>> {
+        next: &mut Option<Job<T>>,
+    ) {
+        debug_assert!(next.is_none(), "a worker dispatches between jobs");
         if !self.aging {
-            return self.dispatch_round(keep, queue);
+            return self.dispatch_round(keep, queue, next);
         }
         // One burst with no waiting in it: aging reads the clock once.
         self.scheduler.borrow_mut().begin_round();
-        let next = self.dispatch_round(keep, queue);
+        self.dispatch_round(keep, queue, next);
         self.scheduler.borrow_mut().end_round();
-        next
     }
 
     fn dispatch_round(
         self: &Rc<Self>,
         keep: *const (),
         queue: &mut VecDeque<Job<T>>,
-    ) -> Option<Job<T>> {
+        next: &mut Option<Job<T>>,
+    ) {
         if self.woken.any() {
             self.refill_woken();
         }
-        let mut next = None;
         loop {
             let picked = self.scheduler.borrow_mut().try_dispatch();
             let Some((permit, delivery)) = picked else {
@@ -392,14 +393,13 @@ impl<T: Transport> Engine<T> {
             if job.pool() != keep {
                 job.hand_over();
             } else if next.is_none() && queue.is_empty() {
-                next = Some(job);
+                *next = Some(job);
             } else {
                 // Picked and not started, as a handed-over job is.
                 job.wait_in_queue();
                 queue.push_back(job);
             }
         }
-        next
     }
 
     /// A subscription's current priority.

@@ -112,30 +112,32 @@ where
     /// the order they were picked, in the same poll while handlers finish
     /// without waiting, so that a burst costs no task poll per message.
     async fn work(self: Rc<Self>, engine: Rc<Engine<T>>, first: Job<T>, inbox: Rc<Inbox<T>>) {
-        let mut job = first;
+        // The job it runs stays in this one place: a job ends here and a
+        // dispatch writes the next one here, so that a job is not copied
+        // on its way from the dispatch to the run.
+        let mut current = Some(first);
         let mut in_this_poll = 0;
-        loop {
+        while let Some(job) = current.as_mut() {
             if !job.start() && job.is_behind_better() {
                 // Better messages handed to other workers before this one
                 // was picked start first.
                 in_this_poll = 0;
                 tokio::task::yield_now().await;
             }
-            self.run(&mut job, &engine).await;
-            drop(job);
+            self.run(job, &engine).await;
+            current = None;
             in_this_poll += 1;
             if in_this_poll >= JOBS_PER_POLL {
                 in_this_poll = 0;
                 engine.step_aside().await;
             }
-            let picked = engine.dispatch(self.id(), &mut inbox.queue.borrow_mut());
-            job = match picked.or_else(|| inbox.queue.borrow_mut().pop_front()) {
-                Some(job) => job,
-                None => match self.wait_for_job(&inbox, &engine).await {
-                    Some(job) => job,
-                    None => return,
-                },
-            };
+            engine.dispatch(self.id(), &mut inbox.queue.borrow_mut(), &mut current);
+            if current.is_none() {
+                current = inbox.queue.borrow_mut().pop_front();
+            }
+            if current.is_none() {
+                current = self.wait_for_job(&inbox, &engine).await;
+            }
         }
     }
 
@@ -246,9 +248,10 @@ where
                     self.leave_idle(inbox);
                     // The queue is empty while a worker waits, so the
                     // first message picked comes back here.
-                    let picked = engine.dispatch(self.id(), &mut inbox.queue.borrow_mut());
-                    if let Some(job) = picked {
-                        return Some(job);
+                    let mut picked = None;
+                    engine.dispatch(self.id(), &mut inbox.queue.borrow_mut(), &mut picked);
+                    if picked.is_some() {
+                        return picked;
                     }
                 }
             }
