@@ -441,12 +441,18 @@ impl<T: Transport> Job<T> {
     /// priority and redelivery count, at debug level, so that a subscriber
     /// at info pays one check for it. `None` when no subscriber wants it,
     /// so that the handler then runs with no span to enter, clone or drop.
+    #[inline(always)]
     fn span(&self, engine: &Engine<T>) -> Option<tracing::Span> {
-        // The macro's own first check, made here so that nothing else of
-        // it runs when no subscriber takes debug spans at all.
+        // The macro's own first check, made here (and inline) so that
+        // nothing else of it runs when no subscriber takes debug spans.
         if tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG {
             return None;
         }
+        self.new_span(engine)
+    }
+
+    #[inline(never)]
+    fn new_span(&self, engine: &Engine<T>) -> Option<tracing::Span> {
         let message = self.message();
         let span = tracing::debug_span!(
             "message",
