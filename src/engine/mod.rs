@@ -459,7 +459,12 @@ impl<T: Transport> Engine<T> {
             let received = subscription.receive(&mut spare);
             if let Received::Stored = received {
                 let queued = self.offer(subscription, spare);
-                if !queued || self.scheduler.borrow().holds_dispatchable(subscription.key) {
+                // A subscription that is not key-ordered holds one message,
+                // so its slot is full now.
+                if !queued
+                    || !subscription.is_keyed()
+                    || self.scheduler.borrow().holds_dispatchable(subscription.key)
+                {
                     return;
                 }
                 continue;

@@ -188,6 +188,11 @@ impl<T: Transport> Subscription<T> {
         }
     }
 
+    /// Whether its messages are ordered by key (and it holds more than one).
+    pub(crate) fn is_keyed(&self) -> bool {
+        self.keyed
+    }
+
     /// The hash of the key that orders `message` (its partition key, else
     /// its ordering key), for a key-ordered subscription.
     pub(crate) fn order_key(&self, message: &Message) -> Option<u64> {
