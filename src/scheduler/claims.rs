@@ -53,6 +53,7 @@ impl Claims {
     }
 
     /// Adds a claim on `key`; returns how many it has now.
+    #[inline(always)]
     pub(super) fn claim(&mut self, key: u64) -> u32 {
         if (self.len + 1) * 2 > self.slots.len() {
             self.grow();
@@ -69,6 +70,7 @@ impl Claims {
 
     /// Drops a claim on `key`, which must have one; returns how many are
     /// left.
+    #[inline(always)]
     pub(super) fn unclaim(&mut self, key: u64) -> u32 {
         let at = self.find(key);
         let slot = &mut self.slots[at];
