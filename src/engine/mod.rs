@@ -101,9 +101,9 @@ impl Phase {
 /// The time it arrived in its slot lives here too, not in the
 /// [`Delivery`] and [`Job`] that carry the box: those are moved from slot
 /// to worker, and every byte they do not hold is a byte not copied.
-pub(crate) struct MessageBox(Box<Stored>);
+pub(crate) struct MessageBox(Box<Contents>);
 
-struct Stored {
+struct Contents {
     message: Option<Message>,
     /// When the message arrived in its slot (with timings on).
     since: Option<Instant>,
@@ -111,7 +111,7 @@ struct Stored {
 
 impl MessageBox {
     fn empty() -> Self {
-        MessageBox(Box::new(Stored {
+        MessageBox(Box::new(Contents {
             message: None,
             since: None,
         }))

@@ -188,7 +188,7 @@ impl<T: Transport> Subscription<T> {
         }
     }
 
-    /// Whether its messages are ordered by key (and it holds more than one).
+    /// Whether its messages are ordered by key (it may then hold several).
     pub(crate) fn is_keyed(&self) -> bool {
         self.keyed
     }
