@@ -359,7 +359,7 @@ impl<T: Transport> Engine<T> {
         queue: &mut VecDeque<Job<T>>,
         next: &mut Option<Job<T>>,
     ) {
-        debug_assert!(next.is_none(), "a worker dispatches between jobs");
+        debug_assert!(next.is_none(), "a dispatch starts with no job kept");
         if !self.aging {
             return self.dispatch_round(keep, queue, next);
         }

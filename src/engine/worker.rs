@@ -473,19 +473,19 @@ impl<T: Transport> Job<T> {
             .expect("a pool runs only handlers of its own type")
     }
 
-    /// When the message arrived in its slot, if timings are on.
-    fn since(&self) -> Option<Instant> {
+    fn message_box(&self) -> &MessageBox {
         self.message
             .as_ref()
             .expect("a job holds its message until it ends")
-            .since()
+    }
+
+    /// When the message arrived in its slot, if timings are on.
+    fn since(&self) -> Option<Instant> {
+        self.message_box().since()
     }
 
     fn message(&self) -> &Message {
-        self.message
-            .as_ref()
-            .expect("a job holds its message until it ends")
-            .get()
+        self.message_box().get()
     }
 
     /// Routes the outcome and, when that takes no publish, settles the

@@ -115,6 +115,13 @@ struct Broker {
     open_consumers: Cell<usize>,
 }
 
+impl Broker {
+    /// Logs a publish (no id), an ack or a nack on `topic`.
+    fn log(&self, kind: Kind, topic: &Topic, id: Option<&MessageId>) {
+        self.log.borrow_mut().push(Record::new(kind, topic, id));
+    }
+}
+
 // In C order, what each receive and ack touches first, so that with many
 // topics a message finds those fields in two or three cache lines.
 #[derive(Default)]
@@ -474,11 +481,6 @@ impl MemoryConsumer {
             self.topic.name
         )))
     }
-
-    fn log(&self, kind: Kind, id: &MessageId) {
-        let record = Record::new(kind, &self.topic, Some(id));
-        self.broker.log.borrow_mut().push(record);
-    }
 }
 
 impl Consumer for MemoryConsumer {
@@ -519,7 +521,7 @@ impl Consumer for MemoryConsumer {
         self.refuse_if_failing("ack")?;
         self.topic.unsettled.borrow_mut().remove(&id.entry_id());
         self.topic.acked.set(self.topic.acked.get() + 1);
-        self.log(Kind::Acked, id);
+        self.broker.log(Kind::Acked, &self.topic, Some(id));
         self.topic.settled();
         Ok(())
     }
@@ -527,7 +529,7 @@ impl Consumer for MemoryConsumer {
     fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
         self.refuse_if_failing("nack")?;
         let redelivery = self.topic.unsettled.borrow_mut().remove(&id.entry_id());
-        self.log(Kind::Nacked, id);
+        self.broker.log(Kind::Nacked, &self.topic, Some(id));
         if let Some(mut message) = redelivery {
             message.redelivery_count = Some(message.redelivery_count.unwrap_or(0) + 1);
             self.topic.push(message, true);
@@ -609,8 +611,9 @@ impl Producer for MemoryProducer {
             }
         }
         self.topic.published.borrow_mut().push(message.clone());
-        let record = Record::new(Kind::Published, &self.topic, None);
-        self.transport.broker.log.borrow_mut().push(record);
+        self.transport
+            .broker
+            .log(Kind::Published, &self.topic, None);
         self.transport.send_message(&self.topic.name, message);
         Ok(())
     }
