@@ -45,8 +45,7 @@ fn latency(c: &mut Criterion) {
     let mt = mt_port::MtLatency::new();
     group.bench_function("mt_port", |b| b.iter_custom(|iters| mt.measure(iters)));
     drop(mt);
-    let backlog = on_local(support::latency::ours_backlog_rate(50_000));
-    let saturation = on_local(support::latency::ours_sustained_rate(backlog, 25_000, 5));
+    let saturation = on_local(support::latency::ours_saturation(50_000));
     let interval = Duration::from_secs_f64(2.0 / saturation);
     group.bench_function("ours_open_loop_50pct", |b| {
         b.iter_custom(|iters| {
