@@ -1,31 +1,5 @@
-//! Hashing done by the crate itself: ordering keys, hashed once when their
-//! message arrives, and maps keyed by distinct counters (entry ids), which
-//! hashing again would slow down and spread no better.
-
-use std::hash::{BuildHasherDefault, Hasher};
-
-/// Builds [`IdentityHasher`]s, for `HashMap`/`HashSet` type parameters.
-pub(crate) type BuildIdentity = BuildHasherDefault<IdentityHasher>;
-
-/// Hashes a `u64` as itself; other input is folded in byte by byte.
-#[derive(Default)]
-pub(crate) struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
-}
+//! Hashing done by the crate itself: an ordering key is hashed once, when
+//! its message arrives, by a hash fast for the short keys messages carry.
 
 /// Hashes an ordering key's bytes to 64 well-mixed bits, in a few
 /// nanoseconds for the short keys messages carry.

@@ -14,10 +14,10 @@
 //! the handler is a generic type whose future is stored unboxed in the
 //! spawned task (no `Box<dyn Fn>`, no boxed future per message), and the
 //! in-memory consumer does exactly the bookkeeping `MemoryTransport` does per
-//! message: it keeps a copy of each received message until it is settled in
-//! a map keyed by entry id with the identity hash (no SipHash), and logs
-//! every ack's id by its parts; here behind mutexes, since any thread may
-//! ack.
+//! message: a receive copies the first waiting message out of one queue
+//! that keeps the unsettled messages at its front, its ack pops it from
+//! there, and every ack's id is logged by its parts; here behind mutexes,
+//! since any thread may ack.
 //!
 //! What it skips, compared with the library: the handler's task acks
 //! directly (no outcome routing: replies, retries, dead letters, error
@@ -27,9 +27,8 @@
 //!
 //! This is a benchmark baseline, not part of the library.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -48,26 +47,6 @@ pub struct MtMessage {
     pub payload: Vec<u8>,
 }
 
-/// Hashes an entry id as itself, as `MemoryTransport` does.
-#[derive(Default)]
-struct EntryIdHasher(u64);
-
-impl Hasher for EntryIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
-}
-
 /// A message id by its parts: ledger, entry, partition, batch index.
 type IdParts = (u64, u64, i32, Option<i32>);
 
@@ -75,13 +54,39 @@ type IdParts = (u64, u64, i32, Option<i32>);
 #[derive(Default)]
 pub struct MtTopic {
     name: Arc<str>,
-    backlog: Mutex<VecDeque<MtMessage>>,
+    queue: Mutex<Queue>,
     arrived: Notify,
-    unsettled: Mutex<HashMap<u64, MtMessage, BuildHasherDefault<EntryIdHasher>>>,
     /// Every ack, its id by parts, as `MemoryTransport` logs them.
     acked: Mutex<Vec<IdParts>>,
     acked_count: AtomicUsize,
     next_entry: AtomicU64,
+}
+
+/// A topic's messages as `MemoryTransport` keeps them: the first
+/// `delivered` are received and unsettled, in the order received; the rest
+/// wait.
+#[derive(Default)]
+struct Queue {
+    messages: VecDeque<MtMessage>,
+    delivered: usize,
+}
+
+impl Queue {
+    fn deliver(&mut self) -> Option<MtMessage> {
+        let message = self.messages.get(self.delivered)?.clone();
+        self.delivered += 1;
+        Some(message)
+    }
+
+    fn settle(&mut self, id: &MessageId) -> Option<MtMessage> {
+        let at = self
+            .messages
+            .iter()
+            .take(self.delivered)
+            .position(|message| message.id.entry_id() == id.entry_id())?;
+        self.delivered -= 1;
+        self.messages.remove(at)
+    }
 }
 
 impl MtTopic {
@@ -100,7 +105,7 @@ impl MtTopic {
             id: MessageId::new(0, entry, -1, None),
             payload,
         };
-        self.backlog.lock().unwrap().push_back(message);
+        self.queue.lock().unwrap().messages.push_back(message);
         self.arrived.notify_one();
         entry
     }
@@ -108,11 +113,7 @@ impl MtTopic {
     async fn receive(&self) -> MtMessage {
         loop {
             let arrived = self.arrived.notified();
-            if let Some(message) = self.backlog.lock().unwrap().pop_front() {
-                self.unsettled
-                    .lock()
-                    .unwrap()
-                    .insert(message.id.entry_id(), message.clone());
+            if let Some(message) = self.queue.lock().unwrap().deliver() {
                 return message;
             }
             arrived.await;
@@ -120,7 +121,7 @@ impl MtTopic {
     }
 
     fn ack(&self, id: &MessageId) {
-        self.unsettled.lock().unwrap().remove(&id.entry_id());
+        drop(self.queue.lock().unwrap().settle(id));
         let parts = (
             id.ledger_id(),
             id.entry_id(),
@@ -132,8 +133,11 @@ impl MtTopic {
     }
 
     fn nack(&self, id: &MessageId) {
-        if let Some(message) = self.unsettled.lock().unwrap().remove(&id.entry_id()) {
-            self.backlog.lock().unwrap().push_front(message);
+        let mut queue = self.queue.lock().unwrap();
+        if let Some(message) = queue.settle(id) {
+            let first_waiting = queue.delivered;
+            queue.messages.insert(first_waiting, message);
+            drop(queue);
             self.arrived.notify_one();
         }
     }

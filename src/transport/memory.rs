@@ -1,7 +1,8 @@
 //! An in-memory broker for unit tests and benchmarks.
 //!
 //! Topics are queues in memory. A consumer takes from its topic's queue; a
-//! nack puts the message back at the front with its redelivery count raised;
+//! nack puts the message back at the front of what waits, with its
+//! redelivery count raised;
 //! every publish, ack and nack is logged so that tests can assert on them
 //! (compactly: a log entry names the topic by index and the message id by
 //! its parts, so logging an ack clones nothing).
@@ -17,7 +18,6 @@ use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
-use crate::hash::BuildIdentity;
 use crate::message::{Message, MessageId, Metadata};
 use crate::topic::full_topic_name;
 
@@ -134,13 +134,18 @@ struct Topic {
     failing_receives: Cell<usize>,
     received: Cell<u64>,
     acked: Cell<usize>,
+    /// How many messages at the front of `queue` were handed to a consumer
+    /// and are neither acked nor nacked yet.
+    delivered: Cell<usize>,
+    /// The topic's messages, unsettled ones first, in the order they were
+    /// delivered, then the waiting ones, in the order they will be. A
+    /// receive copies the first waiting message out and moves the boundary;
+    /// its ack (usually of the oldest unsettled message) pops the front. So
+    /// a receive and its ack touch the same few cache lines, nothing is
+    /// hashed, and steady traffic allocates nothing.
+    queue: RefCell<VecDeque<Message>>,
     /// Its place in the broker's `names`.
     index: u32,
-    backlog: RefCell<VecDeque<Message>>,
-    /// Messages handed to a consumer and neither acked nor nacked yet, by
-    /// entry id (unique in this broker, so it is its own hash). The map
-    /// keeps its capacity, so steady traffic allocates nothing.
-    unsettled: RefCell<HashMap<u64, Message, BuildIdentity>>,
     settle_waker: Cell<Option<Waker>>,
     consumer_waker: Cell<Option<Waker>>,
     name: Rc<str>,
@@ -148,16 +153,57 @@ struct Topic {
 }
 
 impl Topic {
-    fn push(&self, message: Message, front: bool) {
-        let mut backlog = self.backlog.borrow_mut();
-        if front {
-            backlog.push_front(message);
+    /// Adds `message` to the waiting ones: first (a redelivery) or last.
+    fn push(&self, message: Message, first: bool) {
+        let mut queue = self.queue.borrow_mut();
+        if first {
+            queue.insert(self.delivered.get(), message);
         } else {
-            backlog.push_back(message);
+            queue.push_back(message);
         }
+        drop(queue);
+        self.wake_consumer();
+    }
+
+    fn wake_consumer(&self) {
         if let Some(waker) = self.consumer_waker.take() {
             waker.wake();
         }
+    }
+
+    /// The next waiting message, now delivered and unsettled.
+    fn deliver(&self) -> Option<Message> {
+        let delivered = self.delivered.get();
+        let message = self.queue.borrow().get(delivered)?.clone();
+        self.delivered.set(delivered + 1);
+        self.received.set(self.received.get() + 1);
+        Some(message)
+    }
+
+    /// The unsettled message `id`, no longer unsettled; `None` if it is not
+    /// (an id this topic never delivered, or one settled already).
+    fn settle(&self, id: &MessageId) -> Option<Message> {
+        let delivered = self.delivered.get();
+        let mut queue = self.queue.borrow_mut();
+        let at = queue
+            .iter()
+            .take(delivered)
+            .position(|message| message.id.entry_id() == id.entry_id())?;
+        self.delivered.set(delivered - 1);
+        queue.remove(at)
+    }
+
+    /// Makes every unsettled message wait again, first, in the order they
+    /// were first published, as a broker does with what a closed consumer
+    /// left unsettled.
+    fn redeliver_unsettled(&self) {
+        let delivered = self.delivered.replace(0);
+        if delivered == 0 {
+            return;
+        }
+        self.queue.borrow_mut().make_contiguous()[..delivered]
+            .sort_by_key(|message| message.id.entry_id());
+        self.wake_consumer();
     }
 
     fn settled(&self) {
@@ -286,7 +332,9 @@ impl MemoryTransport {
 
     /// Messages waiting on `topic`, not yet received by any consumer.
     pub fn backlog_len(&self, topic: &str) -> usize {
-        self.topic(topic).backlog.borrow().len()
+        let topic = self.topic(topic);
+        let waiting = topic.queue.borrow().len() - topic.delivered.get();
+        waiting
     }
 
     /// Messages published to `topic` through a producer, in order.
@@ -342,9 +390,7 @@ impl MemoryTransport {
     pub fn fail_receives(&self, topic: &str, times: usize) {
         let topic = self.topic(topic);
         topic.failing_receives.set(times);
-        if let Some(waker) = topic.consumer_waker.take() {
-            waker.wake();
-        }
+        topic.wake_consumer();
     }
 
     /// Makes the next `times` publishes to `topic` fail.
@@ -370,9 +416,7 @@ impl MemoryTransport {
     pub fn end_stream(&self, topic: &str) {
         let topic = self.topic(topic);
         topic.ended.set(true);
-        if let Some(waker) = topic.consumer_waker.take() {
-            waker.wake();
-        }
+        topic.wake_consumer();
     }
 
     /// Whether `close` has been called.
@@ -500,26 +544,17 @@ impl Consumer for MemoryConsumer {
                 self.topic.name
             )))));
         }
-        *slot = self.topic.backlog.borrow_mut().pop_front();
-        match slot {
-            Some(message) => {
-                self.topic.received.set(self.topic.received.get() + 1);
-                self.topic
-                    .unsettled
-                    .borrow_mut()
-                    .insert(message.id.entry_id(), message.clone());
-                Poll::Ready(Some(Ok(())))
-            }
-            None => {
-                self.topic.consumer_waker.set(Some(cx.waker().clone()));
-                Poll::Pending
-            }
+        *slot = self.topic.deliver();
+        if slot.is_none() {
+            self.topic.consumer_waker.set(Some(cx.waker().clone()));
+            return Poll::Pending;
         }
+        Poll::Ready(Some(Ok(())))
     }
 
     fn ack(&mut self, id: &MessageId) -> Result<(), TransportError> {
         self.refuse_if_failing("ack")?;
-        self.topic.unsettled.borrow_mut().remove(&id.entry_id());
+        drop(self.topic.settle(id));
         self.topic.acked.set(self.topic.acked.get() + 1);
         self.broker.log(Kind::Acked, &self.topic, Some(id));
         self.topic.settled();
@@ -528,7 +563,7 @@ impl Consumer for MemoryConsumer {
 
     fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
         self.refuse_if_failing("nack")?;
-        let redelivery = self.topic.unsettled.borrow_mut().remove(&id.entry_id());
+        let redelivery = self.topic.settle(id);
         self.broker.log(Kind::Nacked, &self.topic, Some(id));
         if let Some(mut message) = redelivery {
             message.redelivery_count = Some(message.redelivery_count.unwrap_or(0) + 1);
@@ -545,18 +580,7 @@ impl Consumer for MemoryConsumer {
                 .set(self.broker.open_consumers.get() - 1);
             // Like a broker, hand whatever this consumer left unsettled to
             // the next consumer.
-            let mut unsettled: Vec<Message> = self
-                .topic
-                .unsettled
-                .borrow_mut()
-                .drain()
-                .map(|(_, message)| message)
-                .collect();
-            // In the order they were first delivered.
-            unsettled.sort_by_key(|message| std::cmp::Reverse(message.id.entry_id()));
-            for message in unsettled {
-                self.topic.push(message, true);
-            }
+            self.topic.redeliver_unsettled();
         }
         Ok(())
     }
@@ -626,6 +650,60 @@ impl Producer for MemoryProducer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Receives the next waiting message of `consumer`, which must have one.
+    fn receive(consumer: &mut MemoryConsumer) -> Message {
+        let mut slot = None;
+        let mut cx = Context::from_waker(Waker::noop());
+        match consumer.poll_receive(&mut cx, &mut slot) {
+            Poll::Ready(Some(Ok(()))) => slot.expect("a message in the slot"),
+            _ => panic!("a message was waiting"),
+        }
+    }
+
+    #[tokio::test]
+    async fn settling_out_of_order_keeps_the_rest_unsettled_and_waiting_in_order() {
+        let transport = MemoryTransport::new();
+        let mut consumer = transport
+            .subscribe(&ConsumerSpec::new("jobs"))
+            .await
+            .expect("subscribed");
+        let ids: Vec<MessageId> = (0..5).map(|n| transport.send("jobs", [n])).collect();
+        let received: Vec<Message> = (0..3).map(|_| receive(&mut consumer)).collect();
+        assert_eq!(received[2].id, ids[2]);
+        assert_eq!(transport.backlog_len("jobs"), 2);
+
+        // The middle one acked, the last one nacked: it waits again, first.
+        consumer.ack(&ids[1]).expect("acked");
+        consumer.nack(&ids[2]).expect("nacked");
+        // Settling an id twice, or one never delivered, changes nothing.
+        consumer.nack(&ids[1]).expect("nacked");
+        consumer.nack(&ids[4]).expect("nacked");
+        assert_eq!(transport.backlog_len("jobs"), 3);
+        let again = receive(&mut consumer);
+        assert_eq!(
+            (again.id.clone(), again.redelivery_count),
+            (ids[2].clone(), Some(1))
+        );
+        assert_eq!(receive(&mut consumer).id, ids[3]);
+        consumer.nack(&ids[0]).expect("nacked");
+        assert_eq!(receive(&mut consumer).id, ids[0]);
+
+        // What a closed consumer left unsettled (2, 3 and 0, in the order
+        // delivered) waits again, in publish order, before what never was
+        // delivered (4).
+        consumer.close().await.expect("closed");
+        let mut next = transport
+            .subscribe(&ConsumerSpec::new("jobs"))
+            .await
+            .expect("subscribed");
+        let order: Vec<MessageId> = (0..4).map(|_| receive(&mut next).id).collect();
+        assert_eq!(
+            order,
+            [&ids[0], &ids[2], &ids[3], &ids[4]].map(Clone::clone)
+        );
+        assert_eq!(transport.received_count("jobs"), 10);
+    }
 
     #[tokio::test]
     async fn the_log_keeps_every_event_in_order_with_its_topic_and_id() {
