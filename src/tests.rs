@@ -152,6 +152,52 @@ fn messages_waiting_in_several_subscriptions_go_out_in_priority_order() {
 }
 
 #[test]
+fn a_backlog_of_handlers_that_never_wait_still_lets_other_tasks_run() {
+    run_local(async {
+        const CONCURRENCY: usize = 4;
+        // Each worker handles at most a budget of messages per poll, and a
+        // worker may be polled twice between two turns of a task that
+        // yields (once when it steps aside, once when it is handed work).
+        let bound = 2 * CONCURRENCY * crate::engine::JOBS_PER_POLL as usize;
+        let messages = 4 * bound;
+        let (dispatcher, transport) = dispatcher(CONCURRENCY);
+        for _ in 0..messages {
+            transport.send("jobs", Vec::new());
+        }
+        let handled = Rc::new(Cell::new(0));
+        let counter = handled.clone();
+        let handler = async move |_: &Message| {
+            counter.set(counter.get() + 1);
+            Ok::<(), Infallible>(())
+        };
+        dispatcher
+            .subscribe("jobs", handler, options(0))
+            .await
+            .unwrap();
+        // Another task on the thread, as the broker connection's are: the
+        // most handlers that ran between two of its turns.
+        let ticker = spawn_local(async move {
+            let (mut last, mut longest) = (0, 0);
+            while handled.get() < messages {
+                yield_now().await;
+                longest = longest.max(handled.get() - last);
+                last = handled.get();
+            }
+            longest
+        });
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        let longest = ticker.await.unwrap();
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert!(
+            (1..=bound).contains(&longest),
+            "{longest} handlers ran between two turns of another task"
+        );
+    });
+}
+
+#[test]
 fn subscriptions_of_equal_priority_take_turns() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(1);

@@ -37,6 +37,9 @@ mod subscription;
 mod wake;
 mod worker;
 
+#[cfg(test)]
+pub(crate) use worker::JOBS_PER_POLL;
+
 use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
