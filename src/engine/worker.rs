@@ -549,6 +549,7 @@ impl<T: Transport> Drop for Job<T> {
         }
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::Job;

@@ -659,6 +659,13 @@ impl Producer for MemoryProducer {
 mod tests {
     use super::*;
 
+    async fn subscribe(transport: &MemoryTransport, topic: &str) -> MemoryConsumer {
+        transport
+            .subscribe(&ConsumerSpec::new(topic))
+            .await
+            .expect("subscribed")
+    }
+
     /// Receives the next waiting message of `consumer`, which must have one.
     fn receive(consumer: &mut MemoryConsumer) -> Message {
         let mut slot = None;
@@ -672,10 +679,7 @@ mod tests {
     #[tokio::test]
     async fn settling_out_of_order_keeps_the_rest_unsettled_and_waiting_in_order() {
         let transport = MemoryTransport::new();
-        let mut consumer = transport
-            .subscribe(&ConsumerSpec::new("jobs"))
-            .await
-            .expect("subscribed");
+        let mut consumer = subscribe(&transport, "jobs").await;
         let ids: Vec<MessageId> = (0..5).map(|n| transport.send("jobs", [n])).collect();
         let received: Vec<Message> = (0..3).map(|_| receive(&mut consumer)).collect();
         assert_eq!(received[2].id, ids[2]);
@@ -701,10 +705,7 @@ mod tests {
         // delivered) waits again, in publish order, before what never was
         // delivered (4).
         consumer.close().await.expect("closed");
-        let mut next = transport
-            .subscribe(&ConsumerSpec::new("jobs"))
-            .await
-            .expect("subscribed");
+        let mut next = subscribe(&transport, "jobs").await;
         let order: Vec<MessageId> = (0..4).map(|_| receive(&mut next).id).collect();
         assert_eq!(
             order,
@@ -716,14 +717,8 @@ mod tests {
     #[tokio::test]
     async fn the_log_keeps_every_event_in_order_with_its_topic_and_id() {
         let transport = MemoryTransport::new();
-        let mut jobs = transport
-            .subscribe(&ConsumerSpec::new("jobs"))
-            .await
-            .expect("subscribed");
-        let mut other = transport
-            .subscribe(&ConsumerSpec::new("persistent://public/default/other"))
-            .await
-            .expect("subscribed");
+        let mut jobs = subscribe(&transport, "jobs").await;
+        let mut other = subscribe(&transport, "persistent://public/default/other").await;
         let first = transport.send("jobs", "a");
         let second = transport.send("other", "b");
         jobs.ack(&first).expect("acked");
