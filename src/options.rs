@@ -21,6 +21,7 @@ use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::scheduler::{Ordering, SubscriptionConfig};
 use crate::topic::full_topic_name;
 use crate::transport::ConsumerSpec;
+pub use crate::transport::DEFAULT_PARTITION_REFRESH_INTERVAL;
 
 /// The priority a subscription gets unless told otherwise.
 pub const DEFAULT_PRIORITY: i64 = 100;
@@ -69,6 +70,7 @@ pub struct SubscribeOptions {
     key_buffer: Option<usize>,
     subscribe_timeout: Duration,
     receive_failure_limit: Duration,
+    partition_refresh_interval: Duration,
     fatal_errors: Option<ErrorClass>,
     retry_errors: Option<ErrorClass>,
     retry_topic: Option<String>,
@@ -95,6 +97,7 @@ impl Default for SubscribeOptions {
             key_buffer: None,
             subscribe_timeout: DEFAULT_SUBSCRIBE_TIMEOUT,
             receive_failure_limit: DEFAULT_RECEIVE_FAILURE_LIMIT,
+            partition_refresh_interval: DEFAULT_PARTITION_REFRESH_INTERVAL,
             fatal_errors: None,
             retry_errors: None,
             retry_topic: None,
@@ -303,6 +306,17 @@ impl SubscribeOptions {
         self
     }
 
+    /// How often the partitions of a partitioned topic are counted again
+    /// (60 s by default): partitions an operator adds after `subscribe` are
+    /// subscribed at the next count, on the same subscription, and consumed
+    /// like the others. A failed count or subscribe is logged and tried
+    /// again at the next. A topic that is not partitioned is not counted.
+    #[must_use]
+    pub fn partition_refresh_interval(mut self, every: Duration) -> Self {
+        self.partition_refresh_interval = every;
+        self
+    }
+
     /// Whether a retry topic has been set.
     pub(crate) fn has_retry_topic(&self) -> bool {
         self.retry_topic.is_some()
@@ -330,6 +344,11 @@ impl SubscribeOptions {
             checked_duration("subscribe_timeout", self.subscribe_timeout, false)?;
         let receive_failure_limit =
             checked_duration("receive_failure_limit", self.receive_failure_limit, false)?;
+        let partition_refresh_interval = checked_duration(
+            "partition_refresh_interval",
+            self.partition_refresh_interval,
+            false,
+        )?;
         Ok(SubscriptionSpec {
             consumer: ConsumerSpec {
                 topic,
@@ -340,6 +359,7 @@ impl SubscribeOptions {
                 consumer_options: self.consumer_options.clone(),
                 dead_letter_policy: self.dead_letter_policy.clone(),
                 unacked_message_resend_delay: self.unacked_message_resend_delay,
+                partition_refresh_interval,
             },
             scheduling: self.scheduling()?,
             nack_delay,

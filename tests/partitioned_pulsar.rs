@@ -1,7 +1,8 @@
 //! Partitioned topics against a real Apache Pulsar broker, beyond the
 //! plain/partitioned variants of the other suites: every subscription type,
-//! short topic names, Key_Shared across two dispatchers, and subscribing over
-//! a backlog again and again without a hang.
+//! short topic names, Key_Shared across two dispatchers, subscribing over
+//! a backlog again and again without a hang, and partitions added while
+//! the dispatcher runs.
 
 mod common;
 
@@ -12,8 +13,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    create_partitioned_topic, fresh_topic, pulsar_url, run_local, start, unique_name,
-    wait_for_stats, wait_until, TopicKind,
+    add_partitions, create_partitioned_topic, fresh_topic, pulsar_url, run_local, start,
+    unique_name, wait_for_stats, wait_until, TopicKind,
 };
 use pulsar::consumer::InitialPosition;
 use pulsar::ConsumerOptions;
@@ -88,6 +89,98 @@ fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name()
             );
         }
     });
+}
+
+/// Partitions an operator adds while the dispatcher runs are subscribed at
+/// the next partition refresh, on the same subscription and with the
+/// default initial position: what is published to them afterwards is
+/// handled and acknowledged like the rest, and the partitions subscribed
+/// from the start keep working.
+#[test]
+fn partitions_added_while_running_are_consumed_and_acked() {
+    run_local(Duration::from_secs(180), async {
+        for subscription_type in [
+            SubType::Exclusive,
+            SubType::Failover,
+            SubType::Shared,
+            SubType::KeyShared,
+        ] {
+            consume_partitions_added_while_running(subscription_type).await;
+        }
+    });
+}
+
+async fn consume_partitions_added_while_running(subscription_type: SubType) {
+    let topic = fresh_topic("grows", TopicKind::Partitioned(2));
+    let subscription = unique_name("sub");
+    let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+    let handled: Rc<RefCell<Vec<(String, usize)>>> = Rc::default();
+    let record = handled.clone();
+    dispatcher
+        .subscribe(
+            &topic,
+            async move |message: &Message| {
+                let number = common::payload_number(message);
+                record
+                    .borrow_mut()
+                    .push((message.topic().to_owned(), number));
+                Ok::<_, Infallible>(())
+            },
+            SubscribeOptions::new()
+                .subscription(&subscription)
+                .subscription_type(subscription_type)
+                .partition_refresh_interval(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap();
+    let run = start(&dispatcher);
+    add_partitions(&topic, 4);
+    let partition = |index: u32| format!("{topic}-partition-{index}");
+    let mut numbered = common::keyed_messages(30, 3);
+    for index in [2, 3, 0] {
+        common::publish(&partition(index), numbered.by_ref().take(10)).await;
+    }
+    wait_until("30 messages", Duration::from_secs(30), || {
+        handled.borrow().len() >= 30
+    })
+    .await;
+    for index in [0, 2, 3] {
+        let stats = wait_for_stats(
+            &partition(index),
+            &subscription,
+            Duration::from_secs(10),
+            |s| s.msg_backlog == 0,
+        )
+        .await;
+        assert_eq!(
+            stats.msg_backlog, 0,
+            "{subscription_type:?}: acks reached partition {index}"
+        );
+    }
+    dispatcher.close().await;
+    run.await.unwrap().unwrap();
+    let by_partition: BTreeMap<String, BTreeSet<usize>> =
+        handled
+            .borrow()
+            .iter()
+            .fold(BTreeMap::new(), |mut seen, (name, number)| {
+                seen.entry(name.clone()).or_default().insert(*number);
+                seen
+            });
+    let expected: BTreeMap<String, BTreeSet<usize>> = [
+        (partition(2), (0..10).collect()),
+        (partition(3), (10..20).collect()),
+        (partition(0), (20..30).collect()),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(by_partition, expected, "{subscription_type:?}");
+    assert_eq!(
+        handled.borrow().len(),
+        30,
+        "{subscription_type:?}: none twice"
+    );
+    assert_eq!(dispatcher.stats().total().acked, 30);
 }
 
 /// Two dispatchers on one Key_Shared subscription of a partitioned topic:

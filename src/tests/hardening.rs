@@ -269,6 +269,14 @@ fn durations_out_of_range_are_refused_by_name() {
                 "receive_failure_limit",
                 SubscribeOptions::new().receive_failure_limit(Duration::MAX),
             ),
+            (
+                "partition_refresh_interval",
+                SubscribeOptions::new().partition_refresh_interval(Duration::ZERO),
+            ),
+            (
+                "partition_refresh_interval",
+                SubscribeOptions::new().partition_refresh_interval(Duration::MAX),
+            ),
         ];
         for (name, options) in cases {
             let refused = dispatcher

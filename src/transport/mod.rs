@@ -57,7 +57,14 @@ pub struct ConsumerSpec {
     pub dead_letter_policy: Option<DeadLetterPolicy>,
     /// The `pulsar` crate's ack timeout, passed through.
     pub unacked_message_resend_delay: Option<Duration>,
+    /// How often a partitioned topic's partition count is looked up, so
+    /// that partitions added after subscribing are consumed too.
+    pub partition_refresh_interval: Duration,
 }
+
+/// How often the partitions of a partitioned topic are counted again
+/// unless told otherwise (the Java client's default as well).
+pub const DEFAULT_PARTITION_REFRESH_INTERVAL: Duration = Duration::from_secs(60);
 
 impl ConsumerSpec {
     /// A spec for `topic` with the crate's defaults and a receiver queue
@@ -72,6 +79,7 @@ impl ConsumerSpec {
             consumer_options: ConsumerOptions::default(),
             dead_letter_policy: None,
             unacked_message_resend_delay: None,
+            partition_refresh_interval: DEFAULT_PARTITION_REFRESH_INTERVAL,
         }
     }
 }

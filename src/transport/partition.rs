@@ -1,7 +1,9 @@
 //! One partition of a subscription's topic (or a whole topic that is not
 //! partitioned) and its `pulsar` crate consumer: creating it, creating it
 //! again when its stream ends, settling on it, and closing it without
-//! losing what was settled.
+//! losing what was settled; and the partitions an operator adds to a
+//! partitioned topic after it was subscribed, found by counting them again
+//! every so often.
 //!
 //! The crate's consumer reconnects by itself after most connection
 //! failures, but gives up on some (a connection reset while the broker
@@ -11,8 +13,10 @@
 //! long that may take. Settlements made in between are kept and sent on the
 //! new consumer.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use futures::future::LocalBoxFuture;
@@ -83,6 +87,112 @@ impl Subscriber {
         }
         Ok(consumer)
     }
+}
+
+/// The name of partition `index` of `topic`.
+pub(super) fn partition_name(topic: &str, index: u32) -> String {
+    format!("{topic}-partition-{index}")
+}
+
+/// Subscribes the partitions named `names`, all at once, in that order:
+/// every one, or none (when one fails, those that did subscribe are closed
+/// again, so that a failed subscribe leaves nothing behind).
+pub(super) async fn subscribe_partitions(
+    subscriber: &Rc<Subscriber>,
+    names: &[String],
+) -> Result<Vec<Partition>, TransportError> {
+    let built =
+        futures::future::join_all(names.iter().map(|name| subscriber.subscribe(name))).await;
+    let mut partitions = Vec::with_capacity(built.len());
+    let mut failure = None;
+    for (name, result) in names.iter().zip(built) {
+        match result {
+            Ok(consumer) => partitions.push(Partition::new(name, consumer, subscriber.clone())),
+            Err(error) => failure = failure.or(Some(error)),
+        }
+    }
+    let Some(error) = failure else {
+        return Ok(partitions);
+    };
+    if let Err(close_error) = close_partitions(&mut partitions).await {
+        warn!(topic = %subscriber.spec.topic, error = %close_error, "closing the partitions of a failed subscribe failed");
+    }
+    Err(error)
+}
+
+/// Closes every partition's consumer, all at once.
+pub(super) async fn close_partitions(partitions: &mut [Partition]) -> Result<(), TransportError> {
+    let closed = futures::future::join_all(partitions.iter_mut().map(Partition::close)).await;
+    closed.into_iter().collect()
+}
+
+/// Watches a partitioned topic for partitions added after it was
+/// subscribed: every `partition_refresh_interval` of the spec it asks the
+/// broker how many partitions the topic has and subscribes the new ones on
+/// the same subscription. A failed count or subscribe is logged and tried
+/// again at the next refresh; it does not disturb the partitions consumed.
+pub(super) struct AddedPartitions {
+    subscriber: Rc<Subscriber>,
+    next_count: Pin<Box<tokio::time::Sleep>>,
+    counting: Option<LocalBoxFuture<'static, Result<Vec<Partition>, TransportError>>>,
+}
+
+impl AddedPartitions {
+    pub(super) fn new(subscriber: Rc<Subscriber>) -> Self {
+        let first = tokio::time::sleep(subscriber.spec.partition_refresh_interval);
+        AddedPartitions {
+            subscriber,
+            next_count: Box::pin(first),
+            counting: None,
+        }
+    }
+
+    /// The partitions numbered from `known` on, once a count finds the
+    /// topic grown and they are subscribed; `Pending` until a count ends
+    /// (the caller's waker is woken when one is due or done).
+    pub(super) fn poll(&mut self, cx: &mut Context<'_>, known: usize) -> Poll<Vec<Partition>> {
+        let counting = match &mut self.counting {
+            Some(counting) => counting,
+            None => {
+                ready!(self.next_count.as_mut().poll(cx));
+                let subscriber = self.subscriber.clone();
+                self.counting
+                    .insert(Box::pin(subscribe_added(subscriber, known)))
+            }
+        };
+        let counted = ready!(counting.as_mut().poll(cx));
+        self.counting = None;
+        let every = self.subscriber.spec.partition_refresh_interval;
+        self.next_count
+            .as_mut()
+            .reset(tokio::time::Instant::now() + every);
+        Poll::Ready(counted.unwrap_or_else(|error| {
+            warn!(topic = %self.subscriber.spec.topic, %error, "counting or subscribing added partitions failed; trying again at the next refresh");
+            Vec::new()
+        }))
+    }
+}
+
+/// Subscribes the partitions of the subscriber's topic numbered from
+/// `known` on, if it has more than `known` now.
+async fn subscribe_added(
+    subscriber: Rc<Subscriber>,
+    known: usize,
+) -> Result<Vec<Partition>, TransportError> {
+    let topic = subscriber.spec.topic.as_str();
+    let count = subscriber
+        .client
+        .lookup_partitioned_topic_number(topic)
+        .await?;
+    let names: Vec<String> = (known as u32..count)
+        .map(|index| partition_name(topic, index))
+        .collect();
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let added = subscribe_partitions(&subscriber, &names).await?;
+    info!(%topic, from = known, to = count, "subscribed to partitions added to the topic");
+    Ok(added)
 }
 
 /// One partition and its consumer.

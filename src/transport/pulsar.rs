@@ -27,7 +27,9 @@ use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
 
 use super::nodelay::BrokerSockets;
-use super::partition::{Partition, Subscriber};
+use super::partition::{
+    close_partitions, partition_name, subscribe_partitions, AddedPartitions, Partition, Subscriber,
+};
 use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks};
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
 use crate::message::{Message, MessageId, Metadata};
@@ -88,35 +90,19 @@ impl Transport for PulsarTransport {
         let partition_count = client.lookup_partitioned_topic_number(topic).await?;
         let names: Vec<String> = match partition_count {
             0 => vec![topic.to_owned()],
-            n => (0..n).map(|i| format!("{topic}-partition-{i}")).collect(),
+            n => (0..n).map(|index| partition_name(topic, index)).collect(),
         };
         let subscriber = Rc::new(Subscriber {
             client,
             spec: spec.clone(),
             brokers: self.brokers.clone(),
         });
-        let built =
-            futures::future::join_all(names.iter().map(|name| subscriber.subscribe(name))).await;
-        let mut partitions = Vec::with_capacity(built.len());
-        let mut failure = None;
-        for (name, result) in names.iter().zip(built) {
-            match result {
-                Ok(consumer) => partitions.push(Partition::new(name, consumer, subscriber.clone())),
-                Err(error) => failure = failure.or(Some(error)),
-            }
-        }
-        if let Some(error) = failure {
-            // The partitions that did subscribe are closed again: a failed
-            // subscribe leaves nothing behind.
-            if let Err(close_error) = close_partitions(&mut partitions).await {
-                tracing::warn!(%topic, error = %close_error, "closing the partitions of a failed subscribe failed");
-            }
-            return Err(error);
-        }
+        let partitions = subscribe_partitions(&subscriber, &names).await?;
         self.brokers.disable_nagle();
         let remembered = RECENT_ACKS + 2 * spec.receiver_queue_size as usize * partitions.len();
         Ok(PulsarConsumer {
             partitioned: partition_count > 0,
+            added: (partition_count > 0).then(|| AddedPartitions::new(subscriber)),
             partitions,
             next_partition: 0,
             batches: BatchSettlements::default(),
@@ -151,6 +137,8 @@ pub struct PulsarConsumer {
     /// Indexed by partition number.
     partitions: Vec<Partition>,
     partitioned: bool,
+    /// Partitions added to a partitioned topic after it was subscribed.
+    added: Option<AddedPartitions>,
     /// Where the next receive starts looking, so that partitions take turns.
     next_partition: usize,
     batches: BatchSettlements,
@@ -183,6 +171,12 @@ impl PulsarConsumer {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Message, TransportError>>> {
+        if let Some(added) = &mut self.added {
+            // Until pending, so that the next count's timer holds the waker.
+            while let Poll::Ready(new) = added.poll(cx, self.partitions.len()) {
+                self.partitions.extend(new);
+            }
+        }
         for _ in 0..SKIPS_PER_RECEIVE {
             match self.poll_next_partition(cx) {
                 Poll::Ready(Some(Ok(message))) if self.was_acked(message.id()) => continue,
@@ -292,12 +286,6 @@ impl PulsarConsumer {
     fn send_settlement(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
         self.partition_of(id)?.settle(id.to_broker(), succeeded)
     }
-}
-
-/// Closes every partition's consumer, all at once.
-async fn close_partitions(partitions: &mut [Partition]) -> Result<(), TransportError> {
-    let closed = futures::future::join_all(partitions.iter_mut().map(Partition::close)).await;
-    closed.into_iter().collect()
 }
 
 impl Consumer for PulsarConsumer {

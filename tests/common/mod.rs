@@ -107,6 +107,10 @@ pub fn admin_request(
             .header("Content-Type", "application/json")
             .send(body)?,
         ("PUT", None) => agent.put(&url).send_empty()?,
+        ("POST", Some(body)) => agent
+            .post(&url)
+            .header("Content-Type", "application/json")
+            .send(body)?,
         _ => panic!("admin_request: unsupported {method}"),
     };
     let status = response.status().as_u16();
@@ -174,12 +178,23 @@ pub fn fresh_topic(prefix: &str, kind: TopicKind) -> String {
 
 /// Creates `topic` with `partitions` partitions through the admin API.
 pub fn create_partitioned_topic(topic: &str, partitions: u32) {
+    set_partitions("PUT", topic, partitions);
+}
+
+/// Raises the number of partitions of the partitioned `topic` to
+/// `partitions` through the admin API, as an operator does under load.
+pub fn add_partitions(topic: &str, partitions: u32) {
+    set_partitions("POST", topic, partitions);
+}
+
+/// `PUT` (create) or `POST` (raise) the partition count of `topic`.
+fn set_partitions(method: &str, topic: &str, partitions: u32) {
     let path = format!("/admin/v2/persistent/{}/partitions", topic_path(topic));
-    let (status, body) = admin_request("PUT", &path, Some(&partitions.to_string()))
-        .unwrap_or_else(|e| panic!("PUT {}{path}: {e}", web_url()));
+    let (status, body) = admin_request(method, &path, Some(&partitions.to_string()))
+        .unwrap_or_else(|e| panic!("{method} {}{path}: {e}", web_url()));
     assert!(
         (200..300).contains(&status),
-        "creating {topic} with {partitions} partitions: HTTP {status}: {body}"
+        "{method} {partitions} partitions of {topic}: HTTP {status}: {body}"
     );
 }
 
