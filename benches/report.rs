@@ -1022,6 +1022,13 @@ fn print_table(report: &Map<String, Value>) {
             met: check("e2e_cpu_vs_raw", |r| r <= 1.1),
         },
         Row {
+            name: "  plain loop acking cumulatively",
+            figure: show(number("e2e_raw_cumulative_cpu_us_per_msg"), "us/msg"),
+            comparison: format!("ours/it {}", show(number("e2e_cpu_vs_raw_cumulative"), "x")),
+            target: "",
+            met: None,
+        },
+        Row {
             name: "e2e rate, ours (queue 1000)",
             figure: show(number("e2e_msgs_per_s"), "msg/s"),
             comparison: format!(

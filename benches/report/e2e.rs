@@ -334,6 +334,9 @@ async fn e2e_raw(url: &str, messages: usize, receiver_queue: u32) -> Rate {
     e2e_raw_acking(url, messages, receiver_queue, 1).await
 }
 
+/// How many messages the cumulatively acking plain loop acks at once.
+const CUMULATIVE_GROUP: usize = 100;
+
 /// The plain loop, acking every `group`-th message cumulatively (and the
 /// last one), which an Exclusive subscription allows: what grouping acks
 /// would save (the crate sends one `CommandAck` frame, one `writev`, per
@@ -609,12 +612,13 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
                 ""
             }
         );
-        let (mut ours, mut raw, mut transport) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ours, mut raw, mut transport, mut cumulative) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for repeat in 0..sizes.e2e_repeats {
             // Rotate which goes first, so that drift hits all alike.
-            let mut order: Vec<&str> = vec!["ours", "raw", "transport"];
+            let mut order: Vec<&str> = vec!["ours", "raw", "transport", "cumulative"];
             if receiver_queue != 1000 {
-                order.pop();
+                order.truncate(2);
             }
             let turn = repeat % order.len();
             order.rotate_left(turn);
@@ -622,6 +626,12 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
                 match which {
                     "ours" => ours.push(on_local(e2e_ours(&url, messages, receiver_queue))),
                     "raw" => raw.push(on_local(e2e_raw(&url, messages, receiver_queue))),
+                    "cumulative" => cumulative.push(on_local(e2e_raw_acking(
+                        &url,
+                        messages,
+                        receiver_queue,
+                        CUMULATIVE_GROUP,
+                    ))),
                     _ => transport.push(on_local(e2e_transport(&url, messages, receiver_queue))),
                 }
             }
@@ -630,6 +640,7 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
             ("e2e_ours_sample", &ours),
             ("e2e_raw_sample", &raw),
             ("e2e_transport_sample", &transport),
+            ("e2e_raw_cumulative_sample", &cumulative),
         ] {
             for sample in samples.iter() {
                 emit(json!({"bench": bench, "receiver_queue": receiver_queue,
@@ -681,6 +692,15 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
             report.insert(
                 "e2e_cpu_vs_raw".into(),
                 json!(ours.cpu_us_per_msg / raw.cpu_us_per_msg),
+            );
+            let cumulative = medians(&cumulative);
+            report.insert(
+                "e2e_raw_cumulative_cpu_us_per_msg".into(),
+                json!(cumulative.cpu_us_per_msg),
+            );
+            report.insert(
+                "e2e_cpu_vs_raw_cumulative".into(),
+                json!(ours.cpu_us_per_msg / cumulative.cpu_us_per_msg),
             );
             report.insert("e2e_allocs_per_msg".into(), json!(ours.allocs_per_msg));
             report.insert("e2e_raw_allocs_per_msg".into(), json!(raw.allocs_per_msg));
@@ -833,7 +853,7 @@ pub fn profile(what: &str) -> Option<String> {
     let rate = match what {
         "e2e-ours" => on_local(e2e_ours(&url, messages, 1000)),
         "e2e-raw" => on_local(e2e_raw(&url, messages, 1000)),
-        "e2e-raw-cumulative" => on_local(e2e_raw_acking(&url, messages, 1000, 100)),
+        "e2e-raw-cumulative" => on_local(e2e_raw_acking(&url, messages, 1000, CUMULATIVE_GROUP)),
         "e2e-transport" => on_local(e2e_transport(&url, messages, 1000)),
         "e2e-latency" => {
             let ours = steady(&on_local(latency_ours(&url, 4_000)));
