@@ -127,9 +127,9 @@ pub use family::{FamilyTopic, NoSublevels, PriorityLevel, TopicFamily};
 pub use handle::{CloseHandle, FamilyHandle, SubscriptionHandle};
 pub use message::{Message, MessageId};
 pub use options::{
-    SubscribeOptions, DEFAULT_ACK_GROUP_TIME, DEFAULT_KEY_BUFFER,
-    DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY, DEFAULT_PARTITION_REFRESH_INTERVAL, DEFAULT_PRIORITY,
-    DEFAULT_RECEIVE_FAILURE_LIMIT, DEFAULT_SUBSCRIBE_TIMEOUT,
+    SubscribeOptions, DEFAULT_KEY_BUFFER, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY,
+    DEFAULT_PARTITION_REFRESH_INTERVAL, DEFAULT_PRIORITY, DEFAULT_RECEIVE_FAILURE_LIMIT,
+    DEFAULT_SUBSCRIBE_TIMEOUT,
 };
 pub use outcome::{HandlerError, IntoReply, SubscriptionInfo};
 /// The `pulsar` crate at the version this crate uses, so that its types

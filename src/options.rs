@@ -21,7 +21,7 @@ use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::scheduler::{Ordering, SubscriptionConfig};
 use crate::topic::full_topic_name;
 use crate::transport::ConsumerSpec;
-pub use crate::transport::{DEFAULT_ACK_GROUP_TIME, DEFAULT_PARTITION_REFRESH_INTERVAL};
+pub use crate::transport::DEFAULT_PARTITION_REFRESH_INTERVAL;
 
 /// The priority a subscription gets unless told otherwise.
 pub const DEFAULT_PRIORITY: i64 = 100;
@@ -71,7 +71,6 @@ pub struct SubscribeOptions {
     subscribe_timeout: Duration,
     receive_failure_limit: Duration,
     partition_refresh_interval: Duration,
-    ack_group_time: Duration,
     fatal_errors: Option<ErrorClass>,
     retry_errors: Option<ErrorClass>,
     retry_topic: Option<String>,
@@ -99,7 +98,6 @@ impl Default for SubscribeOptions {
             subscribe_timeout: DEFAULT_SUBSCRIBE_TIMEOUT,
             receive_failure_limit: DEFAULT_RECEIVE_FAILURE_LIMIT,
             partition_refresh_interval: DEFAULT_PARTITION_REFRESH_INTERVAL,
-            ack_group_time: DEFAULT_ACK_GROUP_TIME,
             fatal_errors: None,
             retry_errors: None,
             retry_topic: None,
@@ -319,24 +317,6 @@ impl SubscribeOptions {
         self
     }
 
-    /// How long acks may be held back to go to the broker as one cumulative
-    /// ack (100 ms by default, as the Java client's acknowledgment group
-    /// time; zero sends each ack at once). Applies to Exclusive and
-    /// Failover subscriptions without an
-    /// [`unacked_message_resend_delay`](Self::unacked_message_resend_delay)
-    /// (the other types have no cumulative ack, and the `pulsar` crate's
-    /// ack timeout tracks acks one by one; nor with the crate's dead letter
-    /// policy). A cumulative ack never covers a message still being handled
-    /// or nacked; at most 1,000 acks are held; closing sends what is held.
-    /// Held acks reach the broker (and its backlog figures) up to this much
-    /// later; a process killed meanwhile has their messages delivered
-    /// again, as with any ack not yet sent.
-    #[must_use]
-    pub fn ack_group_time(mut self, time: Duration) -> Self {
-        self.ack_group_time = time;
-        self
-    }
-
     /// Whether a retry topic has been set.
     pub(crate) fn has_retry_topic(&self) -> bool {
         self.retry_topic.is_some()
@@ -369,7 +349,6 @@ impl SubscribeOptions {
             self.partition_refresh_interval,
             false,
         )?;
-        let ack_group_time = checked_duration("ack_group_time", self.ack_group_time, true)?;
         Ok(SubscriptionSpec {
             consumer: ConsumerSpec {
                 topic,
@@ -381,7 +360,6 @@ impl SubscribeOptions {
                 dead_letter_policy: self.dead_letter_policy.clone(),
                 unacked_message_resend_delay: self.unacked_message_resend_delay,
                 partition_refresh_interval,
-                ack_group_time,
             },
             scheduling: self.scheduling()?,
             nack_delay,

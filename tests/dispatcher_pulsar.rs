@@ -1,7 +1,6 @@
 //! The dispatcher against a real Apache Pulsar broker: delivery, redelivery,
-//! backpressure down to the broker, shutdown under load, batches and
-//! grouped (cumulative) acks, each on a plain topic and on a partitioned
-//! one.
+//! backpressure down to the broker, shutdown under load and batches, each
+//! on a plain topic and on a partitioned one.
 
 mod common;
 
@@ -11,7 +10,6 @@ on_plain_and_partitioned_topics!(
     with_a_slow_handler_the_backlog_stays_on_the_broker,
     shutdown_under_load_loses_nothing,
     a_batch_is_acked_only_once_every_message_in_it_succeeded,
-    grouped_acks_cover_no_message_in_flight_or_nacked,
 );
 
 use std::cell::RefCell;
@@ -232,7 +230,6 @@ fn with_a_slow_handler_the_backlog_stays_on_the_broker(kind: TopicKind) {
 }
 
 fn shutdown_under_load_loses_nothing(kind: TopicKind) {
-    // Exclusive: the close sends the acks held back to be grouped.
     for subscription_type in [SubType::Shared, SubType::Exclusive] {
         shutdown_under_load(kind, subscription_type);
     }
@@ -325,8 +322,6 @@ fn shutdown_under_load(kind: TopicKind, subscription_type: SubType) {
 /// would ack them all. Messages of a batch whose batch-mate is still being
 /// handled must stay unacknowledged on the broker.
 fn a_batch_is_acked_only_once_every_message_in_it_succeeded(kind: TopicKind) {
-    // Exclusive: acks are grouped into cumulative ones, which must not
-    // cover the batch either.
     for subscription_type in [SubType::Shared, SubType::Exclusive] {
         batch_acked_once_all_succeeded(kind, subscription_type);
     }
@@ -410,90 +405,5 @@ fn batch_acked_once_all_succeeded(kind: TopicKind, subscription_type: SubType) {
         dispatcher.close().await;
         run.await.unwrap().unwrap();
         assert_eq!(handled.borrow().len(), 5);
-    });
-}
-
-/// On Exclusive and Failover subscriptions acks are held back and sent as
-/// cumulative ones. None may cover a message still being handled (it would
-/// be lost if the process died) or one nacked and waiting to come back (it
-/// would never come back). Message 30 fails once; message 50 is held in its
-/// handler until the end.
-fn grouped_acks_cover_no_message_in_flight_or_nacked(kind: TopicKind) {
-    for subscription_type in [SubType::Exclusive, SubType::Failover] {
-        grouped_acks_skip_unsettled(kind, subscription_type);
-    }
-}
-
-fn grouped_acks_skip_unsettled(kind: TopicKind, subscription_type: SubType) {
-    const FAILS_ONCE: usize = 30;
-    const HELD: usize = 50;
-    run_local(Duration::from_secs(90), async {
-        let topic = fresh_topic("grouped", kind);
-        let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
-        let release = Rc::new(Notify::new());
-        let released = Rc::new(std::cell::Cell::new(false));
-        let succeeded: Rc<RefCell<BTreeSet<usize>>> = Rc::default();
-        let attempts: Rc<RefCell<BTreeMap<usize, usize>>> = Rc::default();
-        let (gate, open) = (release.clone(), released.clone());
-        let (record, count) = (succeeded.clone(), attempts.clone());
-        dispatcher
-            .subscribe(
-                &topic,
-                async move |message: &Message| {
-                    let number = common::payload_number(message);
-                    let attempt = {
-                        let mut attempts = count.borrow_mut();
-                        let attempt = attempts.entry(number).or_insert(0);
-                        *attempt += 1;
-                        *attempt
-                    };
-                    if number == FAILS_ONCE && attempt == 1 {
-                        return Err("fails once");
-                    }
-                    while number == HELD && !open.get() {
-                        gate.notified().await;
-                    }
-                    record.borrow_mut().insert(number);
-                    Ok(())
-                },
-                SubscribeOptions::new()
-                    .subscription(&subscription)
-                    .subscription_type(subscription_type)
-                    .receiver_queue_size(100)
-                    .ack_group_time(Duration::from_millis(50))
-                    .negative_ack_redelivery_delay(Duration::from_millis(500)),
-            )
-            .await
-            .unwrap();
-        let run = start(&dispatcher);
-        common::publish(&topic, common::keyed_messages(100, 7)).await;
-        wait_until("all but the held one", Duration::from_secs(30), || {
-            succeeded.borrow().len() == 99
-        })
-        .await;
-        assert!(
-            succeeded.borrow().contains(&FAILS_ONCE),
-            "{subscription_type:?}: the nacked message came back"
-        );
-        let held = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog <= 1
-        })
-        .await;
-        assert_eq!(
-            held.msg_backlog, 1,
-            "{subscription_type:?}: every ack but the held message's reached the broker, without a close"
-        );
-        released.set(true);
-        release.notify_waiters();
-        let done = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
-        assert_eq!(done.msg_backlog, 0, "{subscription_type:?}");
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
-        assert_eq!(succeeded.borrow().len(), 100);
-        assert!(attempts.borrow()[&FAILS_ONCE] >= 2);
     });
 }

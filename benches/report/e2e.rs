@@ -383,9 +383,6 @@ async fn e2e_transport(url: &str, messages: usize, receiver_queue: u32) -> Rate 
     spec.subscription_type = SubType::Exclusive;
     spec.receiver_queue_size = receiver_queue;
     spec.consumer_options = consumer_options(receiver_queue);
-    // Each ack on its own, as the plain loop it is compared with acks: the
-    // difference is then the receive and convert path's own.
-    spec.ack_group_time = Duration::ZERO;
     let mut consumer = transport.subscribe(&spec).await.expect("subscribing");
     let warmup = e2e_warmup(messages, receiver_queue);
     let mut start = mark();

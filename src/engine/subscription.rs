@@ -318,12 +318,12 @@ impl<T: Transport> Subscription<T> {
 
     /// Tells the broker the verdict on a message, now or, for a nack with a
     /// delay, once the delay has passed. Returns whether it held a nack
-    /// back, or the consumer began to hold acks back to group them: the
-    /// engine's timer must then cover the subscription.
+    /// back, which the engine's timer must then cover.
     #[inline(always)]
     pub(crate) fn settle(&self, verdict: Verdict, id: &MessageId) -> bool {
         if verdict == Verdict::Ack || self.nack_delay.is_zero() {
-            return self.send(verdict, id);
+            self.send(verdict, id);
+            return false;
         }
         let due = Instant::now()
             .checked_add(self.nack_delay)
@@ -337,19 +337,14 @@ impl<T: Transport> Subscription<T> {
         self.send(Verdict::Nack, id);
     }
 
-    /// Returns whether the consumer began to hold acks back with this one.
     #[inline(always)]
-    fn send(&self, verdict: Verdict, id: &MessageId) -> bool {
-        let (sent, began_holding) = match self.consumer.borrow_mut().as_mut() {
-            Some(consumer) => {
-                let held_before = consumer.flush_due().is_some();
-                let sent = match verdict {
-                    Verdict::Ack => consumer.ack(id),
-                    Verdict::Nack => consumer.nack(id),
-                };
-                (sent, !held_before && consumer.flush_due().is_some())
-            }
-            None => (Err(TransportError::Closed), false),
+    fn send(&self, verdict: Verdict, id: &MessageId) {
+        let sent = match self.consumer.borrow_mut().as_mut() {
+            Some(consumer) => match verdict {
+                Verdict::Ack => consumer.ack(id),
+                Verdict::Nack => consumer.nack(id),
+            },
+            None => Err(TransportError::Closed),
         };
         let (done, failed) = match verdict {
             Verdict::Ack => (&self.counters.acked, &self.counters.acks_failed),
@@ -362,27 +357,10 @@ impl<T: Transport> Subscription<T> {
                 warn!(topic = %self.topic, message_id = %id, ?verdict, %error, "settling a message failed");
             }
         }
-        began_holding
     }
 
-    /// Sends the acks the consumer holds back once they are due; returns
-    /// when the next are due.
-    fn send_held_acks_if_due(&self, now: Instant) -> Option<Instant> {
-        let mut consumer = self.consumer.borrow_mut();
-        let consumer = consumer.as_mut()?;
-        let due = Instant::from_std(consumer.flush_due()?);
-        if due > now {
-            return Some(due);
-        }
-        if let Err(error) = consumer.flush() {
-            bump(&self.counters.acks_failed);
-            warn!(topic = %self.topic, %error, "sending held acks failed");
-        }
-        consumer.flush_due().map(Instant::from_std)
-    }
-
-    /// Does what is due by `now` (held nacks, held acks, a retry of a
-    /// failed receive) and returns when the next thing is due.
+    /// Does what is due by `now` (held nacks, a retry of a failed receive)
+    /// and returns when the next thing is due.
     pub(crate) fn on_timers(&self, now: Instant) -> Option<Instant> {
         let next_nack = loop {
             let next = self.held.borrow().front().map(|(due, _)| *due);
@@ -405,8 +383,10 @@ impl<T: Transport> Subscription<T> {
             }
             other => other,
         };
-        let acks_due = self.send_held_acks_if_due(now);
-        [next_nack, retry_at, acks_due].into_iter().flatten().min()
+        match (next_nack, retry_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (next, None) | (None, next) => next,
+        }
     }
 
     /// Sends every held nack at once (shutdown does not wait for delays).

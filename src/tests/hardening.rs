@@ -277,10 +277,6 @@ fn durations_out_of_range_are_refused_by_name() {
                 "partition_refresh_interval",
                 SubscribeOptions::new().partition_refresh_interval(Duration::MAX),
             ),
-            (
-                "ack_group_time",
-                SubscribeOptions::new().ack_group_time(Duration::MAX),
-            ),
         ];
         for (name, options) in cases {
             let refused = dispatcher

@@ -25,7 +25,7 @@ mod pulsar;
 mod settlement;
 
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use self::memory::{Event, MemoryConsumer, MemoryProducer, MemoryTransport};
 pub use self::pulsar::{PulsarConsumer, PulsarProducer, PulsarTransport};
@@ -60,19 +60,11 @@ pub struct ConsumerSpec {
     /// How often a partitioned topic's partition count is looked up, so
     /// that partitions added after subscribing are consumed too.
     pub partition_refresh_interval: Duration,
-    /// How long acks may be held back to go out as one cumulative ack
-    /// (Exclusive and Failover subscriptions without an ack timeout only);
-    /// zero sends each ack at once.
-    pub ack_group_time: Duration,
 }
 
 /// How often the partitions of a partitioned topic are counted again
 /// unless told otherwise (the Java client's default as well).
 pub const DEFAULT_PARTITION_REFRESH_INTERVAL: Duration = Duration::from_secs(60);
-
-/// How long acks may be held back to be grouped unless told otherwise (the
-/// Java client's default as well).
-pub const DEFAULT_ACK_GROUP_TIME: Duration = Duration::from_millis(100);
 
 impl ConsumerSpec {
     /// A spec for `topic` with the crate's defaults and a receiver queue
@@ -88,7 +80,6 @@ impl ConsumerSpec {
             dead_letter_policy: None,
             unacked_message_resend_delay: None,
             partition_refresh_interval: DEFAULT_PARTITION_REFRESH_INTERVAL,
-            ack_group_time: DEFAULT_ACK_GROUP_TIME,
         }
     }
 }
@@ -211,21 +202,8 @@ pub trait Consumer: 'static {
     fn nack(&mut self, id: &MessageId) -> Result<(), TransportError>;
 
     /// Closes the consumer once every ack and nack queued earlier has been
-    /// passed on (held acks included). Messages received and not settled
-    /// go back to the broker.
+    /// passed on. Messages received and not settled go back to the broker.
     async fn close(&mut self) -> Result<(), TransportError>;
-
-    /// When the acks this consumer holds back, to send several as one, must
-    /// go out at the latest; `None` while it holds none. The dispatcher
-    /// calls [`flush`](Self::flush) then, whatever else happens meanwhile.
-    fn flush_due(&self) -> Option<Instant> {
-        None
-    }
-
-    /// Sends the acks held back, now.
-    fn flush(&mut self) -> Result<(), TransportError> {
-        Ok(())
-    }
 
     /// How many messages the broker delivered again after they had been
     /// acked (an ack lost with a connection), recognised by the consumer,

@@ -195,22 +195,13 @@ async fn subscribe_added(
     Ok(added)
 }
 
-/// What to tell the broker about an entry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Settlement {
-    Ack,
-    /// Acknowledges every earlier entry of the partition too.
-    CumulativeAck,
-    Nack,
-}
-
 /// One partition and its consumer.
 pub(super) struct Partition {
     /// The partition's own topic name, shared by every message from it.
     pub(super) topic: Rc<str>,
     state: State,
-    /// Settlements made while the consumer is being replaced.
-    pending: Vec<(MessageIdData, Settlement)>,
+    /// Settlements made while the consumer is being replaced: (id, ack?).
+    pending: Vec<(MessageIdData, bool)>,
     subscriber: Rc<Subscriber>,
 }
 
@@ -278,22 +269,17 @@ impl Partition {
 
     /// Acks (or nacks) an entry; kept for the new consumer while the
     /// partition is being subscribed again.
-    pub(super) fn settle(
-        &mut self,
-        id: MessageIdData,
-        settlement: Settlement,
-    ) -> Result<(), TransportError> {
+    pub(super) fn settle(&mut self, id: MessageIdData, ack: bool) -> Result<(), TransportError> {
         let State::Open(consumer) = &mut self.state else {
-            self.pending.push((id, settlement));
+            self.pending.push((id, ack));
             return Ok(());
         };
         // The crate's ack and nack only queue a command on an unbounded
         // channel to the consumer's engine: they complete on the first poll.
-        let topic = &self.topic;
-        let queued = match settlement {
-            Settlement::Ack => consumer.ack_with_id(topic, id).now_or_never(),
-            Settlement::CumulativeAck => consumer.cumulative_ack_with_id(topic, id).now_or_never(),
-            Settlement::Nack => consumer.nack_with_id(topic, id).now_or_never(),
+        let queued = if ack {
+            consumer.ack_with_id(&self.topic, id).now_or_never()
+        } else {
+            consumer.nack_with_id(&self.topic, id).now_or_never()
         };
         match queued {
             Some(result) => Ok(result?),
@@ -304,8 +290,8 @@ impl Partition {
     }
 
     fn send_pending(&mut self) {
-        for (id, settlement) in std::mem::take(&mut self.pending) {
-            if let Err(error) = self.settle(id, settlement) {
+        for (id, ack) in std::mem::take(&mut self.pending) {
+            if let Err(error) = self.settle(id, ack) {
                 warn!(topic = %self.topic, %error, "settling on the new consumer failed");
             }
         }

@@ -24,14 +24,13 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use pulsar::producer::Message as PulsarOutgoing;
-use pulsar::{Pulsar, PulsarBuilder, SubType, TokioExecutor};
+use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
 
 use super::nodelay::BrokerSockets;
 use super::partition::{
-    close_partitions, partition_name, subscribe_partitions, AddedPartitions, Partition, Settlement,
-    Subscriber,
+    close_partitions, partition_name, subscribe_partitions, AddedPartitions, Partition, Subscriber,
 };
-use super::settlement::{entry_of, Ack, BatchSettlements, EntryKey, GroupedAcks, RecentAcks};
+use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks};
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
 use crate::message::{Message, MessageId, Metadata};
 
@@ -102,7 +101,6 @@ impl Transport for PulsarTransport {
         self.brokers.disable_nagle();
         let remembered = RECENT_ACKS + 2 * spec.receiver_queue_size as usize * partitions.len();
         Ok(PulsarConsumer {
-            grouped: groups_acks(spec).then(|| GroupedAcks::new(spec.ack_group_time)),
             partitioned: partition_count > 0,
             added: (partition_count > 0).then(|| AddedPartitions::new(subscriber)),
             partitions,
@@ -145,25 +143,7 @@ pub struct PulsarConsumer {
     next_partition: usize,
     batches: BatchSettlements,
     recent_acks: RecentAcks,
-    /// Acks held back to go out as cumulative ones (see [`groups_acks`]).
-    grouped: Option<GroupedAcks>,
     brokers: Rc<BrokerSockets>,
-}
-
-/// Whether a consumer of `spec` holds acks back to send them as cumulative
-/// ones: only where the broker keeps one position per subscription
-/// (Exclusive, Failover), and only where nothing else keeps track of
-/// acks one by one: the `pulsar` crate's ack timeout does not clear its
-/// list on a cumulative ack, and its dead letter policy acks messages it
-/// never hands over, one of which, nacked before, would stop every
-/// cumulative ack after it.
-fn groups_acks(spec: &ConsumerSpec) -> bool {
-    matches!(
-        spec.subscription_type,
-        SubType::Exclusive | SubType::Failover
-    ) && !spec.ack_group_time.is_zero()
-        && spec.unacked_message_resend_delay.is_none()
-        && spec.dead_letter_policy.is_none()
 }
 
 /// How many acknowledged entries a consumer remembers, besides twice its
@@ -200,10 +180,7 @@ impl PulsarConsumer {
         for _ in 0..SKIPS_PER_RECEIVE {
             match self.poll_next_partition(cx) {
                 Poll::Ready(Some(Ok(message))) if self.was_acked(message.id()) => continue,
-                polled => {
-                    self.note_receive(&polled);
-                    return polled;
-                }
+                polled => return polled,
             }
         }
         cx.waker().wake_by_ref();
@@ -224,45 +201,11 @@ impl PulsarConsumer {
     }
 
     /// Sends the ack of a whole entry again, as the crate acks entries.
-    fn ack_entry(&mut self, entry: EntryKey) {
-        if let Err(error) = self.send_entry_settlement(entry, Settlement::Ack) {
-            tracing::warn!(?entry, %error, "acking again failed");
-        }
-    }
-
-    /// Tells the grouped acks of a message received, to track until it is
-    /// acked.
-    fn note_receive(&mut self, polled: &Poll<Option<Result<Message, TransportError>>>) {
-        if let (Some(grouped), Poll::Ready(Some(Ok(message)))) = (&mut self.grouped, polled) {
-            grouped.received(entry_of(message.id()));
-        }
-    }
-
-    /// Sends every held ack; the first failure, if any, after trying all.
-    fn send_held_acks(&mut self) -> Result<(), TransportError> {
-        let Some(grouped) = &mut self.grouped else {
-            return Ok(());
-        };
-        let mut sent = Ok(());
-        for ack in grouped.take() {
-            let result = match ack {
-                Ack::Cumulative(entry) => {
-                    self.send_entry_settlement(entry, Settlement::CumulativeAck)
-                }
-                Ack::Single(entry) => self.send_entry_settlement(entry, Settlement::Ack),
-            };
-            sent = sent.and(result);
-        }
-        sent
-    }
-
-    fn send_entry_settlement(
-        &mut self,
-        (partition, ledger_id, entry_id): EntryKey,
-        settlement: Settlement,
-    ) -> Result<(), TransportError> {
+    fn ack_entry(&mut self, (partition, ledger_id, entry_id): EntryKey) {
         let id = MessageId::new(ledger_id, entry_id, partition, None);
-        self.send_settlement(&id, settlement)
+        if let Err(error) = self.send_settlement(&id, true) {
+            tracing::warn!(message_id = %id, %error, "acking again failed");
+        }
     }
 
     fn poll_next_partition(
@@ -333,29 +276,15 @@ impl PulsarConsumer {
         let Some(succeeded) = self.batches.settle(id, succeeded) else {
             return Ok(());
         };
-        if !succeeded {
-            // A nacked entry stays unsettled in the grouped acks until it
-            // comes back and is acked.
-            return self.send_settlement(id, Settlement::Nack);
-        }
-        let Some(grouped) = &mut self.grouped else {
-            self.send_settlement(id, Settlement::Ack)?;
+        self.send_settlement(id, succeeded)?;
+        if succeeded {
             self.recent_acks.record(entry_of(id));
-            return Ok(());
-        };
-        self.recent_acks.record(entry_of(id));
-        if grouped.acked(entry_of(id), Instant::now()) {
-            self.send_held_acks()?;
         }
         Ok(())
     }
 
-    fn send_settlement(
-        &mut self,
-        id: &MessageId,
-        settlement: Settlement,
-    ) -> Result<(), TransportError> {
-        self.partition_of(id)?.settle(id.to_broker(), settlement)
+    fn send_settlement(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
+        self.partition_of(id)?.settle(id.to_broker(), succeeded)
     }
 }
 
@@ -381,18 +310,7 @@ impl Consumer for PulsarConsumer {
     }
 
     async fn close(&mut self) -> Result<(), TransportError> {
-        if let Err(error) = self.send_held_acks() {
-            tracing::warn!(%error, "sending held acks before closing failed");
-        }
         close_partitions(&mut self.partitions).await
-    }
-
-    fn flush_due(&self) -> Option<Instant> {
-        self.grouped.as_ref().and_then(GroupedAcks::due)
-    }
-
-    fn flush(&mut self) -> Result<(), TransportError> {
-        self.send_held_acks()
     }
 
     fn redelivered_after_ack(&self) -> u64 {

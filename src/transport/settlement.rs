@@ -1,14 +1,12 @@
 //! What the Pulsar transport tells the broker about received messages, and
-//! when: batch members are settled as one entry, an entry acked shortly
-//! before a connection failed is recognised when the broker delivers it
-//! again, and on subscriptions with one position on the broker (Exclusive,
-//! Failover) the acks of a run of entries go out as one cumulative ack.
+//! when: batch members are settled as one entry, and an entry acked
+//! shortly before a connection failed is recognised when the broker
+//! delivers it again.
 //!
-//! All three are bookkeeping above the `pulsar` crate, which acknowledges
-//! whole entries, drops acknowledgements sent while its connection is down,
-//! and sends each acknowledgement in a frame and a system call of its own.
+//! Both are bookkeeping above the `pulsar` crate, which acknowledges whole
+//! entries and drops acknowledgements sent while its connection is down.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::message::MessageId;
@@ -130,109 +128,6 @@ impl RecentAcks {
     }
 }
 
-/// How many acks are held back at most before they go out.
-const GROUP_SIZE: usize = 1000;
-
-/// Acks held back to go to the broker as cumulative ones, for a
-/// subscription whose position on the broker is one line (Exclusive,
-/// Failover): acknowledging entry `e` cumulatively acknowledges every entry
-/// of its partition up to `e`.
-///
-/// Invariant: a cumulative ack never covers an entry received and not
-/// acked (in flight, or nacked and waiting to come back). So, per
-/// partition, the held acks below the first such entry go out as one
-/// cumulative ack of the highest, and those above it one by one. Acks are
-/// held for at most the group time, or until [`GROUP_SIZE`] are held.
-pub(super) struct GroupedAcks {
-    /// Entries received and not acked.
-    unsettled: BTreeSet<EntryKey>,
-    /// Entries acked and not yet told to the broker.
-    held: BTreeSet<EntryKey>,
-    /// When the first of `held` must go out.
-    due: Option<Instant>,
-    group_time: Duration,
-}
-
-/// An ack to send.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Ack {
-    /// This entry and every earlier one of its partition.
-    Cumulative(EntryKey),
-    /// This entry alone.
-    Single(EntryKey),
-}
-
-impl GroupedAcks {
-    pub(super) fn new(group_time: Duration) -> Self {
-        GroupedAcks {
-            unsettled: BTreeSet::new(),
-            held: BTreeSet::new(),
-            due: None,
-            group_time,
-        }
-    }
-
-    /// An entry the consumer handed over (again, if it was nacked).
-    pub(super) fn received(&mut self, entry: EntryKey) {
-        self.unsettled.insert(entry);
-    }
-
-    /// Holds the ack of `entry`; returns whether the held acks should go
-    /// out now.
-    pub(super) fn acked(&mut self, entry: EntryKey, now: Instant) -> bool {
-        self.unsettled.remove(&entry);
-        self.held.insert(entry);
-        let due = *self.due.get_or_insert(now + self.group_time);
-        self.held.len() >= GROUP_SIZE || due <= now
-    }
-
-    /// When the held acks must go out; `None` while none are held.
-    pub(super) fn due(&self) -> Option<Instant> {
-        self.due
-    }
-
-    /// Takes every held ack as what to send: per partition, a cumulative
-    /// ack of the highest held entry below the partition's first unsettled
-    /// one, and single acks of the held entries above it.
-    pub(super) fn take(&mut self) -> Vec<Ack> {
-        self.due = None;
-        let mut acks = Vec::new();
-        // The partition at hand and its first unsettled entry.
-        let mut partition: Option<(i32, EntryKey)> = None;
-        let mut cumulative = None;
-        // In order: by partition, then ledger, then entry.
-        for entry in std::mem::take(&mut self.held) {
-            let first_unsettled = match partition {
-                Some((index, first)) if index == entry.0 => first,
-                _ => {
-                    acks.extend(cumulative.take().map(Ack::Cumulative));
-                    let first = self.first_unsettled(entry.0);
-                    partition = Some((entry.0, first));
-                    first
-                }
-            };
-            if entry < first_unsettled {
-                cumulative = Some(entry);
-            } else {
-                acks.push(Ack::Single(entry));
-            }
-        }
-        acks.extend(cumulative.map(Ack::Cumulative));
-        acks
-    }
-
-    /// The partition's first entry received and not acked, or a key above
-    /// all of its entries.
-    fn first_unsettled(&self, partition: i32) -> EntryKey {
-        self.unsettled
-            .range((partition, 0, 0)..)
-            .next()
-            .copied()
-            .filter(|first| first.0 == partition)
-            .unwrap_or((partition, u64::MAX, u64::MAX))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,97 +204,5 @@ mod tests {
             "a later reconnection resends all again"
         );
         assert_eq!(acks.recognised, 3);
-    }
-
-    const GROUP_TIME: Duration = Duration::from_millis(100);
-
-    #[test]
-    fn acks_in_receive_order_go_out_as_one_cumulative_ack() {
-        let now = Instant::now();
-        let mut grouped = GroupedAcks::new(GROUP_TIME);
-        for entry in 1..=5 {
-            grouped.received((0, 7, entry));
-        }
-        for entry in [2, 1, 4, 3] {
-            assert!(!grouped.acked((0, 7, entry), now), "held");
-        }
-        assert_eq!(grouped.due(), Some(now + GROUP_TIME));
-        assert_eq!(grouped.take(), [Ack::Cumulative((0, 7, 4))]);
-        assert_eq!(grouped.due(), None);
-        assert!(grouped.held.is_empty());
-        grouped.acked((0, 7, 5), now);
-        assert_eq!(grouped.take(), [Ack::Cumulative((0, 7, 5))]);
-    }
-
-    #[test]
-    fn no_cumulative_ack_covers_an_entry_in_flight_or_nacked() {
-        let now = Instant::now();
-        let mut grouped = GroupedAcks::new(GROUP_TIME);
-        // Partition 0: entry 3 in flight. Partition 1: entry 10 nacked (it
-        // stays unsettled until it comes back and is acked).
-        for entry in 1..=5 {
-            grouped.received((0, 7, entry));
-        }
-        for entry in 9..=12 {
-            grouped.received((1, 2, entry));
-        }
-        for entry in [1, 2, 4, 5] {
-            grouped.acked((0, 7, entry), now);
-        }
-        for entry in [9, 11, 12] {
-            grouped.acked((1, 2, entry), now);
-        }
-        assert_eq!(
-            grouped.take(),
-            [
-                Ack::Single((0, 7, 4)),
-                Ack::Single((0, 7, 5)),
-                Ack::Cumulative((0, 7, 2)),
-                Ack::Single((1, 2, 11)),
-                Ack::Single((1, 2, 12)),
-                Ack::Cumulative((1, 2, 9)),
-            ]
-        );
-        grouped.received((1, 2, 10));
-        grouped.acked((0, 7, 3), now);
-        grouped.acked((1, 2, 10), now);
-        assert_eq!(
-            grouped.take(),
-            [Ack::Cumulative((0, 7, 3)), Ack::Cumulative((1, 2, 10))]
-        );
-    }
-
-    #[test]
-    fn a_later_ledger_sorts_after_an_earlier_one() {
-        let now = Instant::now();
-        let mut grouped = GroupedAcks::new(GROUP_TIME);
-        grouped.received((0, 7, 900));
-        grouped.received((0, 8, 0));
-        grouped.acked((0, 8, 0), now);
-        assert_eq!(grouped.take(), [Ack::Single((0, 8, 0))]);
-        grouped.acked((0, 7, 900), now);
-        assert_eq!(grouped.take(), [Ack::Cumulative((0, 7, 900))]);
-    }
-
-    #[test]
-    fn acks_go_out_when_due_or_when_many() {
-        let now = Instant::now();
-        let mut grouped = GroupedAcks::new(GROUP_TIME);
-        grouped.received((0, 1, 1));
-        grouped.received((0, 1, 2));
-        assert!(!grouped.acked((0, 1, 1), now));
-        assert!(grouped.acked((0, 1, 2), now + GROUP_TIME), "due");
-        grouped.take();
-        for entry in 0..GROUP_SIZE as u64 {
-            grouped.received((0, 2, entry));
-        }
-        for entry in 0..GROUP_SIZE as u64 - 1 {
-            assert!(!grouped.acked((0, 2, entry), now));
-        }
-        assert!(grouped.acked((0, 2, GROUP_SIZE as u64 - 1), now), "many");
-        assert_eq!(
-            grouped.take(),
-            [Ack::Cumulative((0, 2, GROUP_SIZE as u64 - 1))]
-        );
     }
 }
