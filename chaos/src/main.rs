@@ -482,6 +482,11 @@ async fn work(args: &Args) -> Result<(), String> {
     let max_retries: u32 = args.or("max-retries", 2)?;
     let backoff_ms: u64 = args.or("backoff-ms", 500)?;
     let receiver_queue: u32 = args.or("receiver-queue", 1)?;
+    let subscription_type = if args.or("exclusive", false)? {
+        SubType::Exclusive
+    } else {
+        SubType::Shared
+    };
     let processing_timeout: Option<u64> = args.opt("processing-timeout-ms")?;
     let shutdown_timeout: Option<u64> = args.opt("shutdown-timeout-ms")?;
     let close_within: Option<u64> = args.opt("close-within-ms")?;
@@ -514,7 +519,7 @@ async fn work(args: &Args) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     let options = SubscribeOptions::new()
         .subscription(subscription)
-        .subscription_type(SubType::Shared)
+        .subscription_type(subscription_type)
         .receiver_queue_size(receiver_queue)
         .consumer_options(
             ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),

@@ -92,6 +92,8 @@ struct Scenario {
     at: f64,
     /// Whether a duplicate fails the scenario (no fault but graceful closes).
     no_duplicates: bool,
+    /// An Exclusive subscription instead of a Shared one.
+    exclusive: bool,
 }
 
 fn plan(quick: bool) -> Vec<Scenario> {
@@ -106,6 +108,7 @@ fn plan(quick: bool) -> Vec<Scenario> {
             fault: Fault::None,
             at: 0.0,
             no_duplicates: true,
+            exclusive: false,
         },
         Scenario {
             name: "sigkill",
@@ -115,6 +118,7 @@ fn plan(quick: bool) -> Vec<Scenario> {
             fault: Fault::KillWorker,
             at: 0.4,
             no_duplicates: false,
+            exclusive: false,
         },
         Scenario {
             name: "close",
@@ -124,6 +128,7 @@ fn plan(quick: bool) -> Vec<Scenario> {
             fault: Fault::CloseWorker,
             at: 0.4,
             no_duplicates: true,
+            exclusive: false,
         },
     ];
     if !quick {
@@ -137,6 +142,31 @@ fn plan(quick: bool) -> Vec<Scenario> {
                 fault: Fault::KillBroker,
                 at: 0.3,
                 no_duplicates: false,
+                exclusive: false,
+            },
+            Scenario {
+                name: "sigkill-exclusive",
+                what: "as sigkill, on an Exclusive subscription",
+                messages: n,
+                mix: "standard",
+                fault: Fault::KillWorker,
+                at: 0.4,
+                no_duplicates: false,
+                exclusive: true,
+            },
+            // On an Exclusive subscription a nack makes the broker deliver
+            // again everything not yet acked, messages still being handled
+            // included: those run twice without any fault.
+            Scenario {
+                name: "close-exclusive",
+                what: "as close, on an Exclusive subscription (duplicates expected: a nack \
+                       redelivers every unacked message)",
+                messages: n,
+                mix: "standard",
+                fault: Fault::CloseWorker,
+                at: 0.4,
+                no_duplicates: false,
+                exclusive: true,
             },
             Scenario {
                 name: "hung",
@@ -147,6 +177,7 @@ fn plan(quick: bool) -> Vec<Scenario> {
                 fault: Fault::HungClose,
                 at: 0.3,
                 no_duplicates: false,
+                exclusive: false,
             },
             Scenario {
                 name: "memory",
@@ -156,6 +187,7 @@ fn plan(quick: bool) -> Vec<Scenario> {
                 fault: Fault::Memory,
                 at: 0.0,
                 no_duplicates: false,
+                exclusive: false,
             },
         ]);
     }
@@ -843,6 +875,9 @@ impl Ctx<'_> {
                 &PROCESSING_TIMEOUT_MS.to_string(),
             ])
             .args(["--shutdown-timeout-ms", &SHUTDOWN_TIMEOUT_MS.to_string()]);
+        }
+        if scenario.exclusive {
+            cmd.args(["--exclusive", "true"]);
         }
         for (key, value) in extra {
             cmd.arg(format!("--{key}")).arg(value);

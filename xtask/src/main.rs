@@ -40,7 +40,8 @@ commands:
                    --criterion also runs the criterion suites (`--bench dispatch`)
   chaos [--quick] [--only NAME,..] [--debug]
                    start a broker if needed and run the fault-injection suite
-                   (mixed, sigkill, close, broker-kill, hung, memory): a table of
+                   (mixed, sigkill, close, broker-kill, sigkill-exclusive,
+                   close-exclusive, hung, memory): a table of
                    produced, handled, acked, dead-lettered, lost and duplicated
                    messages; fails if one is lost, duplicated after a graceful
                    close, or close_within(d) takes more than d + 1 s. broker-kill
