@@ -22,6 +22,13 @@ use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 
 const PARTITIONS: u32 = 3;
 
+const EVERY_SUBSCRIPTION_TYPE: [SubType; 4] = [
+    SubType::Exclusive,
+    SubType::Failover,
+    SubType::Shared,
+    SubType::KeyShared,
+];
+
 fn from_the_start(options: SubscribeOptions) -> SubscribeOptions {
     options.consumer_options(
         ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
@@ -31,12 +38,7 @@ fn from_the_start(options: SubscribeOptions) -> SubscribeOptions {
 #[test]
 fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name() {
     run_local(Duration::from_secs(120), async {
-        for subscription_type in [
-            SubType::Exclusive,
-            SubType::Failover,
-            SubType::Shared,
-            SubType::KeyShared,
-        ] {
+        for subscription_type in EVERY_SUBSCRIPTION_TYPE {
             let short_name = unique_name("short");
             create_partitioned_topic(&short_name, PARTITIONS);
             let subscription = unique_name("sub");
@@ -99,12 +101,7 @@ fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name()
 #[test]
 fn partitions_added_while_running_are_consumed_and_acked() {
     run_local(Duration::from_secs(180), async {
-        for subscription_type in [
-            SubType::Exclusive,
-            SubType::Failover,
-            SubType::Shared,
-            SubType::KeyShared,
-        ] {
+        for subscription_type in EVERY_SUBSCRIPTION_TYPE {
             consume_partitions_added_while_running(subscription_type).await;
         }
     });
