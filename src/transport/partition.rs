@@ -147,6 +147,11 @@ impl AddedPartitions {
         }
     }
 
+    /// How many messages each partition's consumer prefetches.
+    pub(super) fn receiver_queue_size(&self) -> u32 {
+        self.subscriber.spec.receiver_queue_size
+    }
+
     /// The partitions numbered from `known` on, once a count finds the
     /// topic grown and they are subscribed; `Pending` until a count ends
     /// (the caller's waker is woken when one is due or done).

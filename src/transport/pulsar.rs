@@ -99,9 +99,8 @@ impl Transport for PulsarTransport {
         });
         let partitions = subscribe_partitions(&subscriber, &names).await?;
         self.brokers.disable_nagle();
-        let remembered = RECENT_ACKS + 2 * spec.receiver_queue_size as usize * partitions.len();
+        let remembered = remembered_acks(spec.receiver_queue_size, partitions.len());
         Ok(PulsarConsumer {
-            partitioned: partition_count > 0,
             added: (partition_count > 0).then(|| AddedPartitions::new(subscriber)),
             partitions,
             next_partition: 0,
@@ -136,8 +135,8 @@ impl Transport for PulsarTransport {
 pub struct PulsarConsumer {
     /// Indexed by partition number.
     partitions: Vec<Partition>,
-    partitioned: bool,
-    /// Partitions added to a partitioned topic after it was subscribed.
+    /// On a partitioned topic (and only there), the partitions added after
+    /// it was subscribed.
     added: Option<AddedPartitions>,
     /// Where the next receive starts looking, so that partitions take turns.
     next_partition: usize,
@@ -150,6 +149,12 @@ pub struct PulsarConsumer {
 /// receiver queues: enough for the messages in flight and prefetched when a
 /// connection fails (see `settlement::RecentAcks`).
 const RECENT_ACKS: usize = 2048;
+
+/// How many acknowledged entries a consumer of `partitions` partitions, each
+/// prefetching up to `receiver_queue_size` messages, remembers.
+fn remembered_acks(receiver_queue_size: u32, partitions: usize) -> usize {
+    RECENT_ACKS + 2 * receiver_queue_size as usize * partitions
+}
 
 /// How many redeliveries of acked entries one receive skips before it lets
 /// other tasks run.
@@ -165,6 +170,10 @@ impl std::fmt::Debug for PulsarConsumer {
 }
 
 impl PulsarConsumer {
+    fn is_partitioned(&self) -> bool {
+        self.added.is_some()
+    }
+
     /// The next message of any partition, trying each in turn from where the
     /// last receive stopped.
     fn poll_partitions(
@@ -175,6 +184,10 @@ impl PulsarConsumer {
             // Until pending, so that the next count's timer holds the waker.
             while let Poll::Ready(new) = added.poll(cx, self.partitions.len()) {
                 self.partitions.extend(new);
+                // The added partitions prefetch too.
+                let receiver_queue_size = added.receiver_queue_size();
+                let capacity = remembered_acks(receiver_queue_size, self.partitions.len());
+                self.recent_acks.set_capacity(capacity);
             }
         }
         for _ in 0..SKIPS_PER_RECEIVE {
@@ -234,7 +247,7 @@ impl PulsarConsumer {
         let pulsar::Payload { metadata, data } = received.payload;
         let mut id = received.message_id.id;
         id.batch_size = id.batch_size.or(received.message_id.batch_size);
-        if self.partitioned {
+        if self.is_partitioned() {
             // The partition is also what settlement goes by.
             id.partition = Some(partition as i32);
         }
@@ -256,7 +269,7 @@ impl PulsarConsumer {
 
     /// The partition a message id belongs to.
     fn partition_of(&mut self, id: &MessageId) -> Result<&mut Partition, TransportError> {
-        let index = if self.partitioned {
+        let index = if self.is_partitioned() {
             usize::try_from(id.partition()).ok()
         } else {
             Some(0)

@@ -97,6 +97,12 @@ impl RecentAcks {
         }
     }
 
+    /// Remembers at most `capacity` entries from now on (the oldest go
+    /// first).
+    pub(super) fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity;
+    }
+
     /// Remembers that `entry` was acked.
     pub(super) fn record(&mut self, entry: EntryKey) {
         if self.in_order.len() >= self.capacity {
@@ -204,5 +210,24 @@ mod tests {
             "a later reconnection resends all again"
         );
         assert_eq!(acks.recognised, 3);
+    }
+
+    #[test]
+    fn a_grown_capacity_remembers_more_acks() {
+        let now = Instant::now();
+        let mut acks = RecentAcks::new(2);
+        acks.record((0, 9, 1));
+        acks.record((0, 9, 2));
+        acks.set_capacity(4);
+        for entry in 3..=4 {
+            acks.record((1, 9, entry));
+        }
+        assert_eq!(
+            acks.redelivered((0, 9, 1), now).map(|all| all.len()),
+            Some(4),
+            "nothing evicted below the new capacity"
+        );
+        acks.record((1, 9, 5));
+        assert_eq!(acks.redelivered((0, 9, 1), now), None, "the oldest goes");
     }
 }
