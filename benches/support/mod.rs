@@ -340,7 +340,14 @@ pub async fn floor_counted(
 /// dispatcher that does nothing but receive, handle and ack costs on this
 /// transport. Must be called inside a `LocalSet`.
 pub async fn plain_loop(messages: usize) -> Duration {
-    plain_loop_counted(messages, 0, None).await.0
+    plain_loop_over(1, messages).await
+}
+
+/// The plain loop over `subscriptions` topics, receiving from each in turn
+/// as ours' benchmark sends to them: what the same backlog costs to read
+/// when nothing schedules it, the baseline of the scaling figures.
+pub async fn plain_loop_over(subscriptions: usize, messages: usize) -> Duration {
+    plain_loop_counted(subscriptions, messages, 0, None).await.0
 }
 
 /// Receives the next message into `slot`, as the dispatcher receives into
@@ -358,20 +365,30 @@ pub fn receive_into<'a>(
     })
 }
 
-/// Like [`plain_loop`]; also returns allocations per message after `warmup`.
+/// Like [`plain_loop_over`]; also returns allocations per message after
+/// `warmup`.
 pub async fn plain_loop_counted(
+    subscriptions: usize,
     messages: usize,
     warmup: usize,
     allocations: Option<fn() -> u64>,
 ) -> (Duration, Option<f64>) {
-    const TOPIC: &str = "plain-loop";
     let transport = MemoryTransport::new();
-    let mut consumer = transport
-        .subscribe(&ConsumerSpec::new(TOPIC))
-        .await
-        .expect("subscribing to the in-memory transport");
-    for _ in 0..messages {
-        transport.send(TOPIC, Vec::new());
+    let topics: Vec<String> = (0..subscriptions)
+        .map(|index| format!("plain-loop-{index}"))
+        .collect();
+    let mut consumers = Vec::with_capacity(subscriptions);
+    for topic in &topics {
+        let consumer = transport
+            .subscribe(&ConsumerSpec::new(topic))
+            .await
+            .expect("subscribing to the in-memory transport");
+        consumers.push(consumer);
+    }
+    // Sent in the same order as ours' benchmark sends, so the backlog lies
+    // in memory alike.
+    for index in 0..messages {
+        transport.send(&topics[index % subscriptions], Vec::new());
     }
     let count = Rc::new(Cell::new(0));
     let done = Rc::new(Notify::new());
@@ -384,7 +401,8 @@ pub async fn plain_loop_counted(
         if index == warmup {
             begin = allocations.map(|read| read());
         }
-        receive_into(&mut consumer, &mut slot).await;
+        let consumer = &mut consumers[index % subscriptions];
+        receive_into(consumer, &mut slot).await;
         let message = slot.as_ref().expect("received into the slot");
         match handler(message).await {
             Ok(()) => consumer.ack(message.id()),
@@ -397,11 +415,11 @@ pub async fn plain_loop_counted(
         .zip(allocations)
         .map(|(begin, read)| (read() - begin) as f64 / (messages - warmup) as f64);
     assert_eq!(count.get(), messages);
-    assert_eq!(
-        transport.acked(TOPIC).len(),
-        messages,
-        "every message acked"
-    );
+    let acked: usize = topics
+        .iter()
+        .map(|topic| transport.acked(topic).len())
+        .sum();
+    assert_eq!(acked, messages, "every message acked");
     (elapsed, allocs)
 }
 
