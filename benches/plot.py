@@ -239,6 +239,11 @@ def main():
             [
                 ("1 priority level", "ours", [scaling.get(f"levels1_subs{k}") for k in subs]),
                 ("16 priority levels", "port", [scaling.get(f"levels16_subs{k}") for k in subs]),
+                (
+                    "plain loop",
+                    "plain",
+                    [scaling.get(f"plain_loop_subs{k}") for k in subs],
+                ),
             ],
         )
     )
