@@ -25,6 +25,26 @@ pub(crate) fn hash_key(bytes: &[u8]) -> u64 {
     avalanche(state)
 }
 
+/// A [`Hasher`](std::hash::Hasher) made of [`hash_key`], for maps keyed by
+/// names the crate chooses or trusts (the in-memory transport's topics):
+/// a fraction of SipHash's cost for a short name, and no defence against
+/// keys chosen to collide, which those maps need none of.
+#[derive(Default)]
+pub(crate) struct NameHasher(u64);
+
+impl std::hash::Hasher for NameHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = avalanche(self.0 ^ hash_key(bytes));
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Builds [`NameHasher`]s, for `HashMap::with_hasher` and `Default`.
+pub(crate) type NameHashing = std::hash::BuildHasherDefault<NameHasher>;
+
 /// Makes every output bit depend on every input bit (the finalizer of
 /// SplitMix64), so the table's bucket and tag bits both vary.
 fn avalanche(mut x: u64) -> u64 {
@@ -37,7 +57,7 @@ fn avalanche(mut x: u64) -> u64 {
 mod tests {
     use std::collections::HashSet;
 
-    use super::hash_key;
+    use super::{hash_key, NameHashing};
 
     #[test]
     fn distinct_short_keys_hash_apart_and_each_bit_varies() {
@@ -62,5 +82,25 @@ mod tests {
             hash_key(long.to_owned().as_bytes())
         );
         assert_ne!(hash_key(long.as_bytes()), hash_key(&long.as_bytes()[1..]));
+    }
+
+    #[test]
+    fn names_hash_apart_and_a_map_finds_each() {
+        use std::collections::HashMap;
+        use std::hash::BuildHasher;
+        let names: Vec<String> = (0..1_000)
+            .map(|n| format!("persistent://public/default/topic-{n}"))
+            .collect();
+        let hashing = NameHashing::default();
+        let hashes: HashSet<u64> = names.iter().map(|n| hashing.hash_one(n)).collect();
+        assert_eq!(hashes.len(), names.len());
+        let map: HashMap<&str, usize, NameHashing> = names
+            .iter()
+            .enumerate()
+            .map(|(at, n)| (n.as_str(), at))
+            .collect();
+        for (at, name) in names.iter().enumerate() {
+            assert_eq!(map[name.as_str()], at);
+        }
     }
 }
