@@ -187,7 +187,7 @@ impl PulsarConsumer {
                 // The added partitions prefetch too.
                 let receiver_queue_size = added.receiver_queue_size();
                 let capacity = remembered_acks(receiver_queue_size, self.partitions.len());
-                self.recent_acks.set_capacity(capacity);
+                self.recent_acks.grow_to(capacity);
             }
         }
         for _ in 0..SKIPS_PER_RECEIVE {

@@ -97,10 +97,10 @@ impl RecentAcks {
         }
     }
 
-    /// Remembers at most `capacity` entries from now on (the oldest go
-    /// first).
-    pub(super) fn set_capacity(&mut self, capacity: usize) {
-        self.capacity = capacity;
+    /// Remembers up to `capacity` entries from now on, if that is more
+    /// than before (for a consumer whose topic gained partitions).
+    pub(super) fn grow_to(&mut self, capacity: usize) {
+        self.capacity = self.capacity.max(capacity);
     }
 
     /// Remembers that `entry` was acked.
@@ -218,7 +218,8 @@ mod tests {
         let mut acks = RecentAcks::new(2);
         acks.record((0, 9, 1));
         acks.record((0, 9, 2));
-        acks.set_capacity(4);
+        acks.grow_to(4);
+        acks.grow_to(3);
         for entry in 3..=4 {
             acks.record((1, 9, entry));
         }
