@@ -833,5 +833,6 @@ fn stats_count_outcomes_and_settlements_the_transport_refused() {
 
 mod hardening;
 mod observability;
+mod randomized;
 mod routing;
 mod scheduling;
