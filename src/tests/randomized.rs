@@ -2,15 +2,17 @@
 //! checked against the rules that hold whatever the interleaving: a
 //! message is acked once, exactly when an attempt succeeded, and every
 //! failed attempt is nacked; a run that is not closed early acks every
-//! message; no more handlers run than the concurrency limit and each
-//! subscription's own limit allow; a key-ordered subscription never runs
-//! two messages of one key at once and a subscription-ordered one never
-//! runs two at all; first attempts start in publish order wherever
-//! ordering is promised. Each run draws the concurrency limit, the
-//! scheduling policy, a reservation, each subscription's priority,
-//! ordering and limit, a backlog at subscribe, live arrivals, a priority
-//! change while running, an early close or none, and each message's key,
-//! failures (errors or panics) and yields.
+//! message of the subscriptions that stay; no more handlers run than the
+//! concurrency limit and each subscription's own limit allow; a
+//! key-ordered subscription never runs two messages of one key at once
+//! and a subscription-ordered one never runs two at all; first attempts
+//! start in publish order wherever ordering is promised; no handler of an
+//! unsubscribed subscription starts after its unsubscribe returned. Each
+//! run draws the concurrency limit, the scheduling policy, a reservation,
+//! each subscription's priority, ordering and limit, a backlog at
+//! subscribe, live arrivals, a priority change and an unsubscribe while
+//! running, an early close or none, and each message's key, failures
+//! (errors or panics) and yields.
 //!
 //! Handlers check the rules as they run and write what they see into a
 //! shared record: a handler that panicked on a broken rule would only get
@@ -70,6 +72,9 @@ struct Case {
     /// with messages queued and handlers running; `None`: closes once
     /// every message is acked.
     close_after: Option<usize>,
+    /// A subscription unsubscribed before this arrival; arrivals for it
+    /// after that stay on the broker.
+    unsubscribed: Option<(usize, usize)>,
 }
 
 fn script() -> impl Strategy<Value = Script> {
@@ -140,10 +145,20 @@ fn case() -> impl Strategy<Value = Case> {
                 proptest::collection::vec((0..subscriptions, 0u32..3), live..=live),
                 proptest::option::of((0..subscriptions, 0i64..3)),
                 proptest::option::of(0..live.max(1)),
+                proptest::option::of((0..subscriptions, 0..live.max(1))),
             )
         })
         .prop_map(
-            |(concurrency, policy, reserved, plans, picks, reprioritised, close_after)| {
+            |(
+                concurrency,
+                policy,
+                reserved,
+                plans,
+                picks,
+                reprioritised,
+                close_after,
+                unsubscribed,
+            )| {
                 // Each pick names a subscription; it sends that subscription's
                 // next live message, or the first subscription's with any left.
                 let mut left: Vec<usize> =
@@ -170,6 +185,7 @@ fn case() -> impl Strategy<Value = Case> {
                     arrivals,
                     reprioritised,
                     close_after,
+                    unsubscribed,
                 }
             },
         )
@@ -184,6 +200,8 @@ struct Record {
     attempts: RefCell<HashMap<(usize, usize), usize>>,
     /// First attempts, in the order they started: (subscription, message).
     first_starts: RefCell<Vec<(usize, usize)>>,
+    /// The subscription whose unsubscribe has returned.
+    gone: Cell<Option<usize>>,
     broken: RefCell<Vec<String>>,
 }
 
@@ -191,6 +209,11 @@ impl Record {
     fn start(&self, case: &Case, subscription: usize, message: usize) -> u32 {
         let plan = &case.plans[subscription];
         let script = &plan.messages[message];
+        if self.gone.get() == Some(subscription) {
+            self.broke(format!(
+                "subscription {subscription}: a handler started after its unsubscribe returned"
+            ));
+        }
         self.running.set(self.running.get() + 1);
         if self.running.get() > case.concurrency {
             self.broke(format!(
@@ -292,9 +315,18 @@ async fn run_case(case: Rc<Case>) -> Result<(), TestCaseError> {
         if Some(at) == case.close_after {
             break;
         }
+        if let Some((which, _)) = case.unsubscribed.filter(|&(_, before)| before == at) {
+            dispatcher
+                .unsubscribe(handles[which].clone())
+                .await
+                .unwrap();
+            record.gone.set(Some(which));
+        }
         if at == case.arrivals.len() / 2 {
             if let Some((which, priority)) = case.reprioritised {
-                handles[which].set_priority(priority).unwrap();
+                let changed = handles[which].set_priority(priority);
+                let gone = record.gone.get() == Some(which);
+                prop_assert_eq!(changed.is_ok(), !gone, "set_priority: {:?}", changed);
             }
         }
         for _ in 0..yields {
@@ -305,6 +337,9 @@ async fn run_case(case: Rc<Case>) -> Result<(), TestCaseError> {
     }
     if case.close_after.is_none() {
         for (subscription, ids) in sent.iter().enumerate() {
+            if record.gone.get() == Some(subscription) {
+                continue;
+            }
             let all = tokio::time::timeout(
                 Duration::from_secs(30),
                 transport.wait_acked(&topic(subscription), ids.len()),
@@ -387,7 +422,7 @@ async fn start(
 /// Each message was acked at most once, and exactly when an attempt
 /// succeeded; every failed attempt was nacked; no message ran more often
 /// than its script allows. Without a close before the end, every message
-/// was acked.
+/// of a subscription that stayed was acked.
 fn check_settlements(
     case: &Case,
     transport: &MemoryTransport,
@@ -420,7 +455,7 @@ fn check_settlements(
                 tried
             );
             prop_assert_eq!(nacks, tried - acks, "nacks of {}/{}", subscription, index);
-            if case.close_after.is_none() {
+            if case.close_after.is_none() && record.gone.get() != Some(subscription) {
                 prop_assert!(succeeded, "{}/{} never succeeded", subscription, index);
             }
         }
