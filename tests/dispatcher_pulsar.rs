@@ -7,6 +7,8 @@ mod common;
 on_plain_and_partitioned_topics!(
     every_message_of_several_prioritised_topics_is_processed_and_acked_once,
     a_failed_message_is_redelivered_after_the_negative_ack_delay,
+    after_a_nack_an_idle_exclusive_or_failover_consumer_asks_for_one_more_rewind,
+    a_nack_over_a_backlog_leaves_nothing_behind_on_exclusive_or_failover,
     with_a_slow_handler_the_backlog_stays_on_the_broker,
     shutdown_under_load_loses_nothing,
     a_batch_is_acked_only_once_every_message_in_it_succeeded,
@@ -173,6 +175,142 @@ fn a_failed_message_is_redelivered_after_the_negative_ack_delay(kind: TopicKind)
                 "{payload} came back before the negative-ack delay"
             );
         }
+    });
+}
+
+/// On Exclusive and Failover subscriptions a nack rewinds the whole
+/// subscription, and the broker can lose part of a rewind that meets a read
+/// in flight; so once idle after a nack the consumer asks for one more
+/// rewind, once per nack. The other types redeliver the nacked message
+/// alone and never ask.
+fn after_a_nack_an_idle_exclusive_or_failover_consumer_asks_for_one_more_rewind(kind: TopicKind) {
+    for subscription_type in [
+        SubType::Exclusive,
+        SubType::Failover,
+        SubType::Shared,
+        SubType::KeyShared,
+    ] {
+        repeated_rewinds(kind, subscription_type);
+    }
+}
+
+fn repeated_rewinds(kind: TopicKind, subscription_type: SubType) {
+    run_local(Duration::from_secs(60), async {
+        let topic = fresh_topic("rewind", kind);
+        let subscription = unique_name("sub");
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let attempts: Rc<RefCell<Vec<String>>> = Rc::default();
+        let record = attempts.clone();
+        dispatcher
+            .subscribe(
+                &topic,
+                async move |message: &Message| {
+                    let payload = String::from_utf8(message.payload().to_vec()).unwrap();
+                    let first = !record.borrow().contains(&payload);
+                    record.borrow_mut().push(payload.clone());
+                    if first && payload == "fails once" {
+                        Err("first attempt fails")
+                    } else {
+                        Ok(())
+                    }
+                },
+                shared(&subscription, 1).subscription_type(subscription_type),
+            )
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        produce(&topic, ["fails once", "succeeds"].map(str::to_owned)).await;
+        let repeated = || dispatcher.stats().total().rewinds_repeated;
+        let asks = matches!(subscription_type, SubType::Exclusive | SubType::Failover);
+        if asks {
+            wait_until("one more rewind", Duration::from_secs(20), || {
+                repeated() >= 1
+            })
+            .await;
+        } else {
+            wait_until("handled", Duration::from_secs(20), || {
+                attempts.borrow().len() >= 3
+            })
+            .await;
+        }
+        // Idle for longer than the wait before a rewind is asked for again.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        assert_eq!(
+            repeated(),
+            u64::from(asks),
+            "{subscription_type:?}: once per nack, only where a nack rewinds"
+        );
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(stats.msg_backlog, 0, "{subscription_type:?}");
+        let handled: BTreeSet<String> = attempts.borrow().iter().cloned().collect();
+        assert_eq!(
+            handled,
+            ["fails once", "succeeds"].map(str::to_owned).into(),
+            "{subscription_type:?}"
+        );
+    });
+}
+
+/// The broker, rewinding for a nack while it reads a backlog, skips the
+/// entry its read in flight had fetched; only another rewind brings that
+/// entry back. Without the consumer's repeated rewind, one message of the
+/// backlog would wait for the next nack or reconnection.
+fn a_nack_over_a_backlog_leaves_nothing_behind_on_exclusive_or_failover(kind: TopicKind) {
+    for subscription_type in [SubType::Exclusive, SubType::Failover] {
+        nothing_left_behind(kind, subscription_type);
+    }
+}
+
+fn nothing_left_behind(kind: TopicKind, subscription_type: SubType) {
+    run_local(Duration::from_secs(60), async {
+        let topic = fresh_topic("left-behind", kind);
+        let subscription = unique_name("sub");
+        let total = 40;
+        produce(&topic, (0..total).map(|n| n.to_string())).await;
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let attempts: Rc<RefCell<Vec<u32>>> = Rc::default();
+        let record = attempts.clone();
+        dispatcher
+            .subscribe(
+                &topic,
+                async move |message: &Message| {
+                    let n: u32 = String::from_utf8_lossy(message.payload()).parse().unwrap();
+                    let first = !record.borrow().contains(&n);
+                    record.borrow_mut().push(n);
+                    if first && n == 10 {
+                        Err("the eleventh message fails once")
+                    } else {
+                        Ok(())
+                    }
+                },
+                shared(&subscription, 1)
+                    .subscription_type(subscription_type)
+                    .negative_ack_redelivery_delay(Duration::ZERO)
+                    .consumer_options(
+                        pulsar::ConsumerOptions::default()
+                            .with_initial_position(pulsar::consumer::InitialPosition::Earliest),
+                    ),
+            )
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        let handled = || attempts.borrow().iter().collect::<BTreeSet<_>>().len();
+        wait_until("every message", Duration::from_secs(30), || {
+            handled() >= total as usize
+        })
+        .await;
+        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(stats.msg_backlog, 0, "{subscription_type:?}");
     });
 }
 

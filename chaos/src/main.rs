@@ -451,7 +451,7 @@ fn stats_line(stats: &DispatcherStats, main_topics: &HashSet<String>) -> String 
         "stats received={} dispatched={} succeeded={} failed={} panicked={} \
          deadline_exceeded={} retried={} dead_lettered={} acked={} acked_main={} nacked={} \
          acks_failed={} nacks_failed={} receive_errors={} redelivered_after_ack={} \
-         in_flight={} waiting={}",
+         rewinds_repeated={} in_flight={} waiting={}",
         total.received,
         total.dispatched,
         total.succeeded,
@@ -467,6 +467,7 @@ fn stats_line(stats: &DispatcherStats, main_topics: &HashSet<String>) -> String 
         total.nacks_failed,
         total.receive_errors,
         total.redelivered_after_ack,
+        total.rewinds_repeated,
         stats.in_flight,
         stats.waiting,
     )

@@ -10,6 +10,8 @@
 use std::cell::Cell;
 use std::time::Duration;
 
+use crate::transport::Repairs;
+
 /// Makes, from one list of counters: the `Counters` of live cells, the
 /// matching fields of [`SubscriptionStats`] (after its other fields), how
 /// to copy and sum them, and the metric name of each.
@@ -107,6 +109,19 @@ counters! {
         /// Messages the broker delivered again after they had been acked (the
         /// ack was lost with a connection): acked again, not handled again.
         redelivered_after_ack => "pulsar_dispatcher_messages_redelivered_after_ack_total",
+        /// Rewinds asked for again on an Exclusive or Failover subscription,
+        /// idle after a nack, in case the broker lost part of the nack's own
+        /// rewind (one per partition).
+        rewinds_repeated => "pulsar_dispatcher_rewinds_repeated_total",
+    }
+}
+
+impl Counters {
+    /// Takes over what the consumer counts itself.
+    pub(crate) fn copy_repairs(&self, repairs: Repairs) {
+        self.redelivered_after_ack
+            .set(repairs.redelivered_after_ack);
+        self.rewinds_repeated.set(repairs.rewinds_repeated);
     }
 }
 

@@ -402,9 +402,7 @@ impl<T: Transport> Subscription<T> {
         let Some(mut consumer) = self.consumer.borrow_mut().take() else {
             return;
         };
-        self.counters
-            .redelivered_after_ack
-            .set(consumer.redelivered_after_ack());
+        self.counters.copy_repairs(consumer.repairs());
         self.receiving.set(false);
         match consumer.close().await {
             Ok(()) => debug!(topic = %self.topic, "consumer closed"),
@@ -429,10 +427,10 @@ impl<T: Transport> Subscription<T> {
             handler_duration: self.timings.as_ref().map(|t| t.handler_duration.summary()),
             ..SubscriptionStats::default()
         };
-        self.counters.copy_into(&mut stats);
         if let Some(consumer) = self.consumer.borrow().as_ref() {
-            stats.redelivered_after_ack = consumer.redelivered_after_ack();
+            self.counters.copy_repairs(consumer.repairs());
         }
+        self.counters.copy_into(&mut stats);
         stats
     }
 

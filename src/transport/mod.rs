@@ -22,6 +22,7 @@ mod memory;
 mod nodelay;
 mod partition;
 mod pulsar;
+mod rewind;
 mod settlement;
 
 use std::task::{Context, Poll};
@@ -205,13 +206,26 @@ pub trait Consumer: 'static {
     /// passed on. Messages received and not settled go back to the broker.
     async fn close(&mut self) -> Result<(), TransportError>;
 
-    /// How many messages the broker delivered again after they had been
-    /// acked (an ack lost with a connection), recognised by the consumer,
-    /// acked again and not handed out. Zero for a transport that does not
-    /// look.
-    fn redelivered_after_ack(&self) -> u64 {
-        0
+    /// What the consumer did on its own to keep delivery whole; all zero
+    /// for a transport that does nothing of the kind.
+    fn repairs(&self) -> Repairs {
+        Repairs::default()
     }
+}
+
+/// What a consumer did on its own, beyond what it was asked, to keep
+/// delivery whole (see [`Consumer::repairs`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Repairs {
+    /// Messages the broker delivered again after they had been acked (an
+    /// ack lost with a connection), recognised, acked again and not handed
+    /// out.
+    pub redelivered_after_ack: u64,
+    /// Rewinds asked for again on an Exclusive or Failover subscription,
+    /// once idle after a nack, in case the broker lost part of the nack's
+    /// own rewind (one per partition).
+    pub rewinds_repeated: u64,
 }
 
 /// A producer for one topic, shared by every task that publishes there.

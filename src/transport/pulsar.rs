@@ -24,14 +24,17 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use pulsar::producer::Message as PulsarOutgoing;
-use pulsar::{Pulsar, PulsarBuilder, TokioExecutor};
+use pulsar::{Pulsar, PulsarBuilder, SubType, TokioExecutor};
 
 use super::nodelay::BrokerSockets;
 use super::partition::{
     close_partitions, partition_name, subscribe_partitions, AddedPartitions, Partition, Subscriber,
 };
+use super::rewind::RewindCheck;
 use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks};
-use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
+use super::{
+    Consumer, ConsumerSpec, OutgoingMessage, Producer, Repairs, Transport, TransportError,
+};
 use crate::message::{Message, MessageId, Metadata};
 
 /// A connection to a Pulsar cluster through the `pulsar` crate.
@@ -106,6 +109,11 @@ impl Transport for PulsarTransport {
             next_partition: 0,
             batches: BatchSettlements::default(),
             recent_acks: RecentAcks::new(remembered),
+            rewinds: matches!(
+                spec.subscription_type,
+                SubType::Exclusive | SubType::Failover
+            )
+            .then(RewindCheck::new),
             brokers: self.brokers.clone(),
         })
     }
@@ -142,6 +150,9 @@ pub struct PulsarConsumer {
     next_partition: usize,
     batches: BatchSettlements,
     recent_acks: RecentAcks,
+    /// On Exclusive and Failover subscriptions, where a nack rewinds the
+    /// subscription: when to ask for a rewind once more (see `rewind`).
+    rewinds: Option<RewindCheck>,
     brokers: Rc<BrokerSockets>,
 }
 
@@ -193,11 +204,37 @@ impl PulsarConsumer {
         for _ in 0..SKIPS_PER_RECEIVE {
             match self.poll_next_partition(cx) {
                 Poll::Ready(Some(Ok(message))) if self.was_acked(message.id()) => continue,
-                polled => return polled,
+                Poll::Pending => {
+                    self.rewind_again_if_due(cx);
+                    return Poll::Pending;
+                }
+                polled => {
+                    if let (Some(rewinds), Poll::Ready(Some(Ok(_)))) = (&mut self.rewinds, &polled)
+                    {
+                        rewinds.received();
+                    }
+                    return polled;
+                }
             }
         }
         cx.waker().wake_by_ref();
         Poll::Pending
+    }
+
+    /// Asks the partitions that nacked to rewind once more, once the
+    /// consumer has been idle long enough after the nack (see `rewind`).
+    fn rewind_again_if_due(&mut self, cx: &mut Context<'_>) {
+        let Some(Poll::Ready(due)) = self.rewinds.as_mut().map(|rewinds| rewinds.poll_due(cx))
+        else {
+            return;
+        };
+        for (index, id) in due {
+            let partition = &mut self.partitions[index];
+            tracing::debug!(topic = %partition.topic, "idle after a nack: asking the broker to rewind once more");
+            if let Err(error) = partition.settle(id, false) {
+                tracing::warn!(topic = %partition.topic, %error, "asking for a rewind failed");
+            }
+        }
     }
 
     /// Whether the message is one the broker delivered again although it was
@@ -267,37 +304,47 @@ impl PulsarConsumer {
         message
     }
 
-    /// The partition a message id belongs to.
-    fn partition_of(&mut self, id: &MessageId) -> Result<&mut Partition, TransportError> {
+    /// The index of the partition a message id belongs to.
+    fn partition_of(&self, id: &MessageId) -> Result<usize, TransportError> {
         let index = if self.is_partitioned() {
             usize::try_from(id.partition()).ok()
         } else {
             Some(0)
         };
         let count = self.partitions.len();
-        index
-            .and_then(|index| self.partitions.get_mut(index))
-            .ok_or_else(|| {
-                TransportError::Pulsar(pulsar::Error::Custom(format!(
-                    "message {id} names partition {} of a topic with {count}",
-                    id.partition()
-                )))
-            })
+        index.filter(|&index| index < count).ok_or_else(|| {
+            TransportError::Pulsar(pulsar::Error::Custom(format!(
+                "message {id} names partition {} of a topic with {count}",
+                id.partition()
+            )))
+        })
     }
 
     fn settle(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
+        if let Some(rewinds) = &mut self.rewinds {
+            rewinds.settled();
+        }
         let Some(succeeded) = self.batches.settle(id, succeeded) else {
             return Ok(());
         };
-        self.send_settlement(id, succeeded)?;
+        let partition = self.send_settlement(id, succeeded)?;
         if succeeded {
             self.recent_acks.record(entry_of(id));
+        } else if let Some(rewinds) = &mut self.rewinds {
+            rewinds.nacked(partition, id.to_broker());
         }
         Ok(())
     }
 
-    fn send_settlement(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
-        self.partition_of(id)?.settle(id.to_broker(), succeeded)
+    /// Sends the settlement to the message's partition; returns its index.
+    fn send_settlement(
+        &mut self,
+        id: &MessageId,
+        succeeded: bool,
+    ) -> Result<usize, TransportError> {
+        let index = self.partition_of(id)?;
+        self.partitions[index].settle(id.to_broker(), succeeded)?;
+        Ok(index)
     }
 }
 
@@ -326,8 +373,11 @@ impl Consumer for PulsarConsumer {
         close_partitions(&mut self.partitions).await
     }
 
-    fn redelivered_after_ack(&self) -> u64 {
-        self.recent_acks.recognised
+    fn repairs(&self) -> Repairs {
+        Repairs {
+            redelivered_after_ack: self.recent_acks.recognised,
+            rewinds_repeated: self.rewinds.as_ref().map_or(0, |rewinds| rewinds.repeated),
+        }
     }
 }
 

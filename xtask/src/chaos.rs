@@ -26,7 +26,7 @@
 //!
 //! The broker is killed only when this command started it (no broker
 //! answered); otherwise that scenario is skipped with a note. `cargo xtask
-//! test` runs the quick suite (`--quick`: the first three scenarios, 3,000
+//! test` runs the quick suite (`--quick`: the first four scenarios, 3,000
 //! messages each) after the tests.
 
 use std::collections::{BTreeMap, HashMap};
@@ -130,6 +130,20 @@ fn plan(quick: bool) -> Vec<Scenario> {
             no_duplicates: true,
             exclusive: false,
         },
+        // On an Exclusive subscription a nack makes the broker deliver
+        // again everything not yet acked, messages still being handled
+        // included: those run twice without any fault.
+        Scenario {
+            name: "close-exclusive",
+            what: "as close, on an Exclusive subscription (duplicates expected: a nack \
+                   redelivers every unacked message)",
+            messages: n,
+            mix: "standard",
+            fault: Fault::CloseWorker,
+            at: 0.4,
+            no_duplicates: false,
+            exclusive: true,
+        },
     ];
     if !quick {
         plan.extend([
@@ -150,20 +164,6 @@ fn plan(quick: bool) -> Vec<Scenario> {
                 messages: n,
                 mix: "standard",
                 fault: Fault::KillWorker,
-                at: 0.4,
-                no_duplicates: false,
-                exclusive: true,
-            },
-            // On an Exclusive subscription a nack makes the broker deliver
-            // again everything not yet acked, messages still being handled
-            // included: those run twice without any fault.
-            Scenario {
-                name: "close-exclusive",
-                what: "as close, on an Exclusive subscription (duplicates expected: a nack \
-                       redelivers every unacked message)",
-                messages: n,
-                mix: "standard",
-                fault: Fault::CloseWorker,
                 at: 0.4,
                 no_duplicates: false,
                 exclusive: true,
@@ -1160,7 +1160,7 @@ impl Ctx<'_> {
                 format!(
                     "worker {}: succeeded={} failed={} panicked={} retried={} dead_lettered={} \
                      acked={} nacked={} deadline_exceeded={} acks_failed={} receive_errors={} \
-                     redelivered_after_ack={}",
+                     redelivered_after_ack={} rewinds_repeated={}",
                     r.index,
                     r.stat("succeeded"),
                     r.stat("failed"),
@@ -1173,6 +1173,7 @@ impl Ctx<'_> {
                     r.stat("acks_failed"),
                     r.stat("receive_errors"),
                     r.stat("redelivered_after_ack"),
+                    r.stat("rewinds_repeated"),
                 )
             })
             .collect();
@@ -1357,10 +1358,10 @@ mod tests {
     }
 
     #[test]
-    fn the_quick_plan_is_the_first_three_scenarios() {
+    fn the_quick_plan_is_the_first_four_scenarios() {
         let quick: Vec<&str> = plan(true).iter().map(|s| s.name).collect();
         let full: Vec<&str> = plan(false).iter().map(|s| s.name).collect();
-        assert_eq!(quick, full[..3]);
+        assert_eq!(quick, full[..4]);
         assert!(plan(true).iter().all(|s| s.messages <= 5_000));
     }
 }

@@ -40,13 +40,13 @@ commands:
                    --criterion also runs the criterion suites (`--bench dispatch`)
   chaos [--quick] [--only NAME,..] [--debug]
                    start a broker if needed and run the fault-injection suite
-                   (mixed, sigkill, close, broker-kill, sigkill-exclusive,
-                   close-exclusive, hung, memory): a table of
+                   (mixed, sigkill, close, close-exclusive, broker-kill,
+                   sigkill-exclusive, hung, memory): a table of
                    produced, handled, acked, dead-lettered, lost and duplicated
                    messages; fails if one is lost, duplicated after a graceful
                    close, or close_within(d) takes more than d + 1 s. broker-kill
                    runs only when this command started the broker. --quick: the
-                   first three with 3,000 messages each; --debug: a debug build
+                   first four with 3,000 messages each; --debug: a debug build
   broker start     start the standalone broker (returns once it answers)
   broker stop      stop the broker that `broker start` started
   broker status    tell whether a broker answers (exit code 0) or not (1)
