@@ -11,9 +11,12 @@
 //! nacked asks again once it has received nothing and holds nothing
 //! unsettled for [`IDLE_BEFORE_REWIND`]: each partition it nacked on rewinds
 //! once more. With nothing in flight nothing is delivered twice by it, and
-//! whatever was left behind comes back. (That rewind could in turn meet a
-//! message published at the same moment; the next nack's rewind, or a
-//! reconnection, brings such a message back.)
+//! whatever was left behind comes back. Two limits: on a partition whose
+//! traffic never pauses for that long, a message left behind waits for the
+//! pause (a rewind under load would only skip another entry); and the
+//! repeated rewind could itself meet a message published at that moment,
+//! which then waits for the next nack's rewind and pause, or a
+//! reconnection.
 
 use std::future::Future;
 use std::pin::Pin;
