@@ -9,6 +9,7 @@ on_plain_and_partitioned_topics!(
     a_failed_message_is_redelivered_after_the_negative_ack_delay,
     after_a_nack_an_idle_exclusive_or_failover_consumer_asks_for_one_more_rewind,
     a_nack_over_a_backlog_leaves_nothing_behind_on_exclusive_or_failover,
+    a_rewind_does_not_run_messages_still_being_handled_twice,
     with_a_slow_handler_the_backlog_stays_on_the_broker,
     shutdown_under_load_loses_nothing,
     a_batch_is_acked_only_once_every_message_in_it_succeeded,
@@ -311,6 +312,113 @@ fn nothing_left_behind(kind: TopicKind, subscription_type: SubType) {
         dispatcher.close().await;
         run.await.unwrap().unwrap();
         assert_eq!(stats.msg_backlog, 0, "{subscription_type:?}");
+    });
+}
+
+/// A nack on an Exclusive or Failover subscription makes the broker deliver
+/// again every unacked message, those still being handled included: the
+/// second copies are dropped, not handled again.
+fn a_rewind_does_not_run_messages_still_being_handled_twice(kind: TopicKind) {
+    for subscription_type in [SubType::Exclusive, SubType::Failover] {
+        no_second_run_while_handled(kind, subscription_type);
+    }
+}
+
+fn no_second_run_while_handled(kind: TopicKind, subscription_type: SubType) {
+    run_local(Duration::from_secs(60), async {
+        let topic = fresh_topic("in-flight", kind);
+        let subscription = unique_name("sub");
+        let dispatcher = Rc::new(
+            Dispatcher::builder()
+                .concurrency(10)
+                .connect(&pulsar_url())
+                .await
+                .unwrap(),
+        );
+        // (payload, the topic or partition it came from), per attempt.
+        let attempts: Rc<RefCell<Vec<(String, String)>>> = Rc::default();
+        let (record, gate) = (attempts.clone(), Rc::new(Notify::new()));
+        let open = Rc::new(std::cell::Cell::new(false));
+        let (wait, is_open) = (gate.clone(), open.clone());
+        dispatcher
+            .subscribe(
+                &topic,
+                async move |message: &Message| {
+                    let payload = String::from_utf8(message.payload().to_vec()).unwrap();
+                    let first = !record.borrow().iter().any(|(p, _)| *p == payload);
+                    record
+                        .borrow_mut()
+                        .push((payload.clone(), message.topic().to_owned()));
+                    if payload == "fails once" {
+                        return if first { Err("fails once") } else { Ok(()) };
+                    }
+                    while !is_open.get() {
+                        wait.notified().await;
+                    }
+                    Ok(())
+                },
+                shared(&subscription, 1)
+                    .subscription_type(subscription_type)
+                    .receiver_queue_size(10)
+                    .negative_ack_redelivery_delay(Duration::ZERO),
+            )
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        // The one that fails comes last, so on its partition (the producer
+        // takes turns among partitions) the others are running when it fails.
+        let slow: Vec<String> = (0..5).map(|n| format!("slow-{n}")).collect();
+        produce(&topic, slow.iter().cloned().chain(["fails once".into()])).await;
+        let runs_of = |payload: &str| {
+            attempts
+                .borrow()
+                .iter()
+                .filter(|(p, _)| p == payload)
+                .count()
+        };
+        wait_until("the failed one again", Duration::from_secs(20), || {
+            runs_of("fails once") == 2
+        })
+        .await;
+        // Its second copy came after those of the slow ones before it on its
+        // partition, which the rewind delivered again too.
+        let rewound = attempts
+            .borrow()
+            .iter()
+            .find(|(p, _)| p == "fails once")
+            .map(|(_, partition)| partition.clone())
+            .unwrap();
+        let running_there = attempts
+            .borrow()
+            .iter()
+            .filter(|(p, partition)| p.starts_with("slow") && *partition == rewound)
+            .count();
+        assert!(
+            running_there >= 1,
+            "{subscription_type:?}: {:?}",
+            attempts.borrow()
+        );
+        assert_eq!(
+            dispatcher.stats().total().dropped_in_flight,
+            running_there as u64,
+            "{subscription_type:?}: each second copy of a running message dropped"
+        );
+        open.set(true);
+        gate.notify_waiters();
+        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.msg_backlog == 0
+        })
+        .await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(stats.msg_backlog, 0, "{subscription_type:?}");
+        for payload in &slow {
+            assert_eq!(
+                runs_of(payload),
+                1,
+                "{subscription_type:?}: {payload} ran once"
+            );
+        }
     });
 }
 

@@ -113,6 +113,10 @@ counters! {
         /// idle after a nack, in case the broker lost part of the nack's own
         /// rewind (one per partition).
         rewinds_repeated => "pulsar_dispatcher_rewinds_repeated_total",
+        /// Second copies of messages still being handled, which a rewind on
+        /// an Exclusive or Failover subscription delivered again: dropped,
+        /// since the copy being handled settles the message.
+        dropped_in_flight => "pulsar_dispatcher_messages_dropped_in_flight_total",
     }
 }
 
@@ -122,6 +126,7 @@ impl Counters {
         self.redelivered_after_ack
             .set(repairs.redelivered_after_ack);
         self.rewinds_repeated.set(repairs.rewinds_repeated);
+        self.dropped_in_flight.set(repairs.dropped_in_flight);
     }
 }
 

@@ -226,6 +226,10 @@ pub struct Repairs {
     /// once idle after a nack, in case the broker lost part of the nack's
     /// own rewind (one per partition).
     pub rewinds_repeated: u64,
+    /// Second copies of messages still being handled, which a rewind on an
+    /// Exclusive or Failover subscription delivered again: dropped, since
+    /// the copy being handled settles the message.
+    pub dropped_in_flight: u64,
 }
 
 /// A producer for one topic, shared by every task that publishes there.

@@ -204,21 +204,30 @@ impl PulsarConsumer {
         for _ in 0..SKIPS_PER_RECEIVE {
             match self.poll_next_partition(cx) {
                 Poll::Ready(Some(Ok(message))) if self.was_acked(message.id()) => continue,
+                Poll::Ready(Some(Ok(message))) if self.is_being_handled(message.id()) => continue,
                 Poll::Pending => {
                     self.rewind_again_if_due(cx);
                     return Poll::Pending;
                 }
-                polled => {
-                    if let (Some(rewinds), Poll::Ready(Some(Ok(_)))) = (&mut self.rewinds, &polled)
-                    {
-                        rewinds.received();
-                    }
-                    return polled;
-                }
+                polled => return polled,
             }
         }
         cx.waker().wake_by_ref();
         Poll::Pending
+    }
+
+    /// Whether the message is a second copy of one still being handled,
+    /// which a rewind delivered again (see `rewind`); otherwise it is handed
+    /// out from here on.
+    fn is_being_handled(&mut self, id: &MessageId) -> bool {
+        let Some(rewinds) = &mut self.rewinds else {
+            return false;
+        };
+        let handed_out = rewinds.received(id);
+        if !handed_out {
+            tracing::debug!(message_id = %id, "a rewind delivered again a message still being handled; dropped");
+        }
+        !handed_out
     }
 
     /// Asks the partitions that nacked to rewind once more, once the
@@ -322,7 +331,7 @@ impl PulsarConsumer {
 
     fn settle(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
         if let Some(rewinds) = &mut self.rewinds {
-            rewinds.settled();
+            rewinds.settled(id);
         }
         let Some(succeeded) = self.batches.settle(id, succeeded) else {
             return Ok(());
@@ -377,6 +386,10 @@ impl Consumer for PulsarConsumer {
         Repairs {
             redelivered_after_ack: self.recent_acks.recognised,
             rewinds_repeated: self.rewinds.as_ref().map_or(0, |rewinds| rewinds.repeated),
+            dropped_in_flight: self
+                .rewinds
+                .as_ref()
+                .map_or(0, |rewinds| rewinds.dropped_in_flight),
         }
     }
 }

@@ -1,8 +1,11 @@
-//! Rewinds the broker may lose, on Exclusive and Failover subscriptions.
+//! Rewinds, on Exclusive and Failover subscriptions: the copies they
+//! deliver of messages still being handled, and the entries they skip.
 //!
 //! On those subscription types a nack does not redeliver one message: the
 //! broker rewinds the subscription and delivers again everything not yet
-//! acknowledged. When the rewind meets a read the broker has in flight, part
+//! acknowledged, messages still being handled included. Those second copies
+//! are dropped as they arrive: the copy being handled settles the message
+//! (an ack, or a nack whose own rewind brings it back). When the rewind meets a read the broker has in flight, part
 //! of it can be lost: an entry stays unacknowledged and is not delivered
 //! again until the next rewind or reconnection. The chaos suite shows it
 //! (a debug trace of the `pulsar` crate: entries 2348, then 2465 after 2463
@@ -18,6 +21,7 @@
 //! which then waits for the next nack's rewind and pause, or a
 //! reconnection.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
@@ -26,14 +30,31 @@ use std::time::Duration;
 use pulsar::proto::MessageIdData;
 use tokio::time::{Instant, Sleep};
 
+use crate::message::MessageId;
+
 /// How long a consumer that nacked stays idle before it asks for one more
 /// rewind.
 pub(super) const IDLE_BEFORE_REWIND: Duration = Duration::from_secs(1);
 
-/// When a consumer asks its partitions to rewind once more.
+/// A message by where it sits on the broker: partition, ledger, entry and
+/// batch index.
+type Position = (i32, u64, u64, Option<i32>);
+
+fn position(id: &MessageId) -> Position {
+    (
+        id.partition(),
+        id.ledger_id(),
+        id.entry_id(),
+        id.batch_index(),
+    )
+}
+
+/// What a consumer on a rewinding subscription keeps track of: the
+/// messages it handed out and has not settled, and when to ask its
+/// partitions to rewind once more.
 pub(super) struct RewindCheck {
     /// Messages handed out and not settled yet.
-    outstanding: usize,
+    unsettled: HashSet<Position>,
     /// Per partition, a message nacked there since the last check (the
     /// broker rewinds the whole partition whichever id a request names).
     nacked: Vec<Option<MessageIdData>>,
@@ -45,29 +66,38 @@ pub(super) struct RewindCheck {
     receiver: Option<Waker>,
     /// Rewinds asked for this way so far.
     pub(super) repeated: u64,
+    /// Copies of messages still being handled, dropped so far.
+    pub(super) dropped_in_flight: u64,
 }
 
 impl RewindCheck {
     pub(super) fn new() -> Self {
         RewindCheck {
-            outstanding: 0,
+            unsettled: HashSet::new(),
             nacked: Vec::new(),
             idle_since: Box::pin(tokio::time::sleep(IDLE_BEFORE_REWIND)),
             armed: false,
             receiver: None,
             repeated: 0,
+            dropped_in_flight: 0,
         }
     }
 
-    /// A message was handed out.
-    pub(super) fn received(&mut self) {
-        self.outstanding += 1;
+    /// A message arrived: whether to hand it out. Not a second copy of one
+    /// still being handled: a rewind delivered it again, and the copy being
+    /// handled settles it.
+    pub(super) fn received(&mut self, id: &MessageId) -> bool {
         self.armed = false;
+        if !self.unsettled.insert(position(id)) {
+            self.dropped_in_flight += 1;
+            return false;
+        }
+        true
     }
 
     /// A message handed out was settled (batch members one by one).
-    pub(super) fn settled(&mut self) {
-        self.outstanding = self.outstanding.saturating_sub(1);
+    pub(super) fn settled(&mut self, id: &MessageId) {
+        self.unsettled.remove(&position(id));
         self.wake_if_idle();
     }
 
@@ -81,7 +111,7 @@ impl RewindCheck {
     }
 
     fn wake_if_idle(&mut self) {
-        if self.outstanding == 0 && !self.armed {
+        if self.unsettled.is_empty() && !self.armed {
             if let Some(receiver) = self.receiver.take() {
                 receiver.wake();
             }
@@ -96,7 +126,7 @@ impl RewindCheck {
         if self.nacked.iter().all(Option::is_none) {
             return Poll::Pending;
         }
-        if self.outstanding > 0 {
+        if !self.unsettled.is_empty() {
             if !self
                 .receiver
                 .as_ref()
@@ -133,6 +163,10 @@ mod tests {
 
     use super::*;
 
+    fn message(entry: u64) -> MessageId {
+        MessageId::new(1, entry, -1, None)
+    }
+
     fn id(entry: u64) -> MessageIdData {
         MessageIdData {
             ledger_id: 1,
@@ -156,9 +190,9 @@ mod tests {
         tokio::time::advance(IDLE_BEFORE_REWIND * 2).await;
         assert_eq!(due(&mut check), None, "nothing nacked, however long");
 
-        check.received();
-        check.received();
-        check.settled();
+        assert!(check.received(&message(1)));
+        assert!(check.received(&message(2)));
+        check.settled(&message(1));
         check.nacked(2, id(7));
         check.nacked(0, id(5));
         check.nacked(2, id(9));
@@ -166,7 +200,7 @@ mod tests {
         tokio::time::advance(IDLE_BEFORE_REWIND * 2).await;
         assert_eq!(due(&mut check), None, "still unsettled, however long");
 
-        check.settled();
+        check.settled(&message(2));
         assert_eq!(due(&mut check), None, "idle from now on");
         tokio::time::advance(IDLE_BEFORE_REWIND / 2).await;
         assert_eq!(due(&mut check), None, "not idle long enough");
@@ -183,8 +217,8 @@ mod tests {
         check.nacked(0, id(1));
         assert_eq!(due(&mut check), None);
         tokio::time::advance(IDLE_BEFORE_REWIND - Duration::from_millis(1)).await;
-        check.received();
-        check.settled();
+        assert!(check.received(&message(1)));
+        check.settled(&message(1));
         assert_eq!(due(&mut check), None, "the wait starts again");
         tokio::time::advance(IDLE_BEFORE_REWIND - Duration::from_millis(1)).await;
         assert_eq!(due(&mut check), None);
@@ -204,17 +238,44 @@ mod tests {
         let waker = futures::task::waker(count.clone());
         let woken = || count.0.load(std::sync::atomic::Ordering::SeqCst);
         let mut check = RewindCheck::new();
-        check.received();
-        check.received();
-        check.settled();
+        assert!(check.received(&message(1)));
+        assert!(check.received(&message(2)));
+        check.settled(&message(1));
         check.nacked(0, id(3));
         let mut cx = Context::from_waker(&waker);
         assert!(check.poll_due(&mut cx).is_pending(), "one still unsettled");
-        check.settled();
+        check.settled(&message(2));
         assert_eq!(
             woken(),
             1,
             "idle now: the receiver polls again and the wait starts"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_second_copy_of_a_message_being_handled_is_dropped() {
+        let mut check = RewindCheck::new();
+        let member = |index| MessageId::new(1, 8, 2, Some(index));
+        assert!(check.received(&message(4)));
+        assert!(check.received(&member(0)));
+        assert!(
+            check.received(&member(1)),
+            "a batch-mate is another message"
+        );
+        assert!(
+            !check.received(&message(4)),
+            "delivered again while handled"
+        );
+        assert!(!check.received(&member(1)));
+        assert_eq!(check.dropped_in_flight, 2);
+        check.settled(&message(4));
+        assert!(
+            check.received(&message(4)),
+            "settled (nacked): handed out again"
+        );
+        assert!(
+            check.received(&MessageId::new(1, 4, 0, None)),
+            "the same entry on another partition"
         );
     }
 }

@@ -1160,7 +1160,7 @@ impl Ctx<'_> {
                 format!(
                     "worker {}: succeeded={} failed={} panicked={} retried={} dead_lettered={} \
                      acked={} nacked={} deadline_exceeded={} acks_failed={} receive_errors={} \
-                     redelivered_after_ack={} rewinds_repeated={}",
+                     redelivered_after_ack={} rewinds_repeated={} dropped_in_flight={}",
                     r.index,
                     r.stat("succeeded"),
                     r.stat("failed"),
@@ -1174,6 +1174,7 @@ impl Ctx<'_> {
                     r.stat("receive_errors"),
                     r.stat("redelivered_after_ack"),
                     r.stat("rewinds_repeated"),
+                    r.stat("dropped_in_flight"),
                 )
             })
             .collect();
