@@ -3,22 +3,24 @@
 //!
 //! On those subscription types a nack does not redeliver one message: the
 //! broker rewinds the subscription and delivers again everything not yet
-//! acknowledged, messages still being handled included. Those second copies
-//! are dropped as they arrive: the copy being handled settles the message
-//! (an ack, or a nack whose own rewind brings it back). When the rewind meets a read the broker has in flight, part
-//! of it can be lost: an entry stays unacknowledged and is not delivered
-//! again until the next rewind or reconnection. The chaos suite shows it
-//! (a debug trace of the `pulsar` crate: entries 2348, then 2465 after 2463
-//! right after a rewind, and 2464 never), and Java clients guard against it
-//! with consumer epochs, which the crate does not send. So a consumer that
+//! acknowledged, messages still being handled included. Those second
+//! copies are dropped as they arrive: the copy being handled settles the
+//! message (an ack, or a nack whose own rewind brings it back).
+//!
+//! A rewind that meets a read the broker has in flight skips the entry
+//! that read fetched: it stays unacknowledged and is not delivered again
+//! until the next rewind or reconnection. The chaos suite shows it (a debug
+//! trace of the `pulsar` crate: entries 2348, then 2465 after 2463 right
+//! after a rewind, and 2464 never), and Java clients guard against it with
+//! consumer epochs, which the crate does not send. So a consumer that
 //! nacked asks again once it has received nothing and holds nothing
-//! unsettled for [`IDLE_BEFORE_REWIND`]: each partition it nacked on rewinds
-//! once more. With nothing in flight nothing is delivered twice by it, and
-//! whatever was left behind comes back. Two limits: on a partition whose
-//! traffic never pauses for that long, a message left behind waits for the
-//! pause (a rewind under load would only skip another entry); and the
-//! repeated rewind could itself meet a message published at that moment,
-//! which then waits for the next nack's rewind and pause, or a
+//! unsettled for [`IDLE_BEFORE_REWIND`]: each partition it nacked on
+//! rewinds once more. With nothing in flight nothing is delivered twice by
+//! it, and whatever was left behind comes back. Two limits: on a partition
+//! whose traffic never pauses for that long, a message left behind waits
+//! for the pause (a rewind under load would only skip another entry); and
+//! the repeated rewind could itself meet a message published at that
+//! moment, which then waits for the next nack's rewind and pause, or a
 //! reconnection.
 
 use std::collections::HashSet;
