@@ -11,8 +11,11 @@
 //! run draws the concurrency limit, the scheduling policy, a reservation,
 //! each subscription's priority, ordering and limit, a backlog at
 //! subscribe, live arrivals, a priority change and an unsubscribe while
-//! running, an early close or none, and each message's key, failures
-//! (errors or panics) and yields.
+//! running, an early close or none, a processing deadline or none, and
+//! each message's key, failures (errors, panics, or hangs that the
+//! deadline cuts off) and yields. The clock is paused (it jumps only when
+//! every task waits), so only hanging handlers meet their deadline, and a
+//! run that waits for good fails at once instead of hanging.
 //!
 //! Handlers check the rules as they run and write what they see into a
 //! shared record: a handler that panicked on a broken rule would only get
@@ -26,7 +29,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use tokio::task::yield_now;
 
-use super::{options, run_local, settle_down, spawn_run};
+use super::{options, settle_down, spawn_run};
 use crate::transport::{MemoryTransport, OutgoingMessage};
 use crate::{
     Aging, Dispatcher, Message, MessageId, Ordering, SchedulingPolicy, SubscriptionHandle, Weights,
@@ -39,10 +42,19 @@ struct Script {
     key: Option<u8>,
     /// Attempts that fail before one succeeds.
     failures: u32,
-    /// Whether failures panic instead of returning an error.
-    panics: bool,
+    /// How those attempts fail.
+    failure: Failure,
     /// Yields inside the handler, so that handlers overlap.
     yields: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Failure {
+    Error,
+    Panic,
+    /// Never returns: dropped at the subscription's processing deadline
+    /// (only on subscriptions with one; an error elsewhere).
+    Hang,
 }
 
 #[derive(Clone, Debug)]
@@ -51,6 +63,8 @@ struct Plan {
     ordering: Ordering,
     key_buffer: usize,
     max_in_flight: Option<usize>,
+    /// Whether the subscription has a processing deadline.
+    deadline: bool,
     /// Messages sent before the subscribe: a backlog at subscribe.
     backlog: usize,
     messages: Vec<Script>,
@@ -81,13 +95,17 @@ fn script() -> impl Strategy<Value = Script> {
     (
         proptest::option::of(0u8..3),
         prop_oneof![3 => Just(0u32), 1 => 1u32..3],
-        proptest::bool::weighted(0.25),
+        prop_oneof![
+            2 => Just(Failure::Error),
+            1 => Just(Failure::Panic),
+            1 => Just(Failure::Hang)
+        ],
         0u32..4,
     )
-        .prop_map(|(key, failures, panics, yields)| Script {
+        .prop_map(|(key, failures, failure, yields)| Script {
             key,
             failures,
-            panics,
+            failure,
             yields,
         })
 }
@@ -104,15 +122,24 @@ fn plan() -> impl Strategy<Value = Plan> {
         proptest::option::of(1usize..4),
         proptest::collection::vec(script(), 0..12),
         0usize..12,
+        proptest::bool::weighted(0.3),
     )
         .prop_map(
-            |(priority, ordering, key_buffer, max_in_flight, messages, backlog)| Plan {
-                priority,
-                ordering,
-                key_buffer,
-                max_in_flight,
-                backlog: backlog.min(messages.len()),
-                messages,
+            |(priority, ordering, key_buffer, max_in_flight, mut messages, backlog, deadline)| {
+                if !deadline {
+                    for script in messages.iter_mut().filter(|s| s.failure == Failure::Hang) {
+                        script.failure = Failure::Error;
+                    }
+                }
+                Plan {
+                    priority,
+                    ordering,
+                    key_buffer,
+                    max_in_flight,
+                    deadline,
+                    backlog: backlog.min(messages.len()),
+                    messages,
+                }
             },
         )
 }
@@ -190,6 +217,24 @@ fn case() -> impl Strategy<Value = Case> {
             },
         )
 }
+
+/// A handler's attempt, from its start until it is dropped.
+struct Running<'a> {
+    record: &'a Record,
+    case: &'a Case,
+    at: (usize, usize),
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.record.end(self.case, self.at.0, self.at.1);
+    }
+}
+
+/// The processing deadline of the subscriptions that have one. Time is
+/// paused and moves only while every task waits, so only a hanging
+/// handler reaches it.
+const DEADLINE: Duration = Duration::from_millis(50);
 
 /// What the handlers saw.
 #[derive(Default)]
@@ -276,6 +321,18 @@ fn bump<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, usize>, key: K) -> usiz
     let count = counts.entry(key).or_default();
     *count += 1;
     *count
+}
+
+/// Runs `test` on a current-thread runtime whose clock is paused: it jumps
+/// ahead only when every task waits (to a hanging handler's deadline), so
+/// no handler that runs to its end is ever cut off by a slow machine.
+fn run_paused<F: std::future::Future>(test: F) -> F::Output {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    tokio::task::LocalSet::new().block_on(&runtime, test)
 }
 
 fn topic(subscription: usize) -> String {
@@ -392,19 +449,29 @@ async fn start(
             options = options.max_in_flight(limit);
         }
         let (case, record) = (case.clone(), record.clone());
+        if plan.deadline {
+            options = options.processing_timeout(DEADLINE);
+        }
         let handler = async move |message: &Message| {
             let (subscription, index) = parse(message);
             let attempt = record.start(&case, subscription, index);
+            // Ends the attempt however the handler stops: returning,
+            // panicking, or dropped at its deadline.
+            let _running = Running {
+                record: &record,
+                case: &case,
+                at: (subscription, index),
+            };
             let script = &case.plans[subscription].messages[index];
             for _ in 0..script.yields {
                 yield_now().await;
             }
-            record.end(&case, subscription, index);
             if attempt < script.failures {
-                if script.panics {
-                    panic!("scripted panic, attempt {attempt}");
+                match script.failure {
+                    Failure::Error => return Err("scripted failure"),
+                    Failure::Panic => panic!("scripted panic, attempt {attempt}"),
+                    Failure::Hang => std::future::pending::<()>().await,
                 }
-                return Err("scripted failure");
             }
             Ok(())
         };
@@ -510,6 +577,13 @@ proptest! {
 
     #[test]
     fn random_runs_settle_everything_once_within_every_limit(case in case()) {
-        run_local(run_case(Rc::new(case)))?;
+        run_paused(async {
+            // Virtual time: reached at once if everything waits for good.
+            let limit = Duration::from_secs(3_600);
+            match tokio::time::timeout(limit, run_case(Rc::new(case))).await {
+                Ok(result) => result,
+                Err(_) => Err(TestCaseError::fail("the run hung")),
+            }
+        })?;
     }
 }
