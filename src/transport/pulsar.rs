@@ -17,6 +17,11 @@
 //! The consumer therefore holds the settlements of batch members until the
 //! whole batch is settled, then acks the entry if every member succeeded
 //! and nacks it (redelivering the whole batch) otherwise.
+//!
+//! On Exclusive and Failover subscriptions a nack rewinds the whole
+//! subscription; `rewind` drops the second copies that delivers of messages
+//! still being handled, and asks for one more rewind once idle, since the
+//! broker can skip an entry in a rewind.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -151,7 +156,9 @@ pub struct PulsarConsumer {
     batches: BatchSettlements,
     recent_acks: RecentAcks,
     /// On Exclusive and Failover subscriptions, where a nack rewinds the
-    /// subscription: when to ask for a rewind once more (see `rewind`).
+    /// subscription: the messages handed out and not settled, whose second
+    /// copies are dropped, and when to ask for a rewind once more (see
+    /// `rewind`).
     rewinds: Option<RewindCheck>,
     brokers: Rc<BrokerSockets>,
 }
