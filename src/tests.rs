@@ -14,8 +14,19 @@ use crate::transport::MemoryTransport;
 use crate::{Dispatcher, Error, Message, SubscribeOptions};
 
 fn run_local<F: Future>(test: F) -> F::Output {
+    on_local_set(false, test)
+}
+
+/// Runs `test` as [`run_local`] does, on a paused clock: it jumps ahead
+/// only when every task waits.
+fn run_paused<F: Future>(test: F) -> F::Output {
+    on_local_set(true, test)
+}
+
+fn on_local_set<F: Future>(paused: bool, test: F) -> F::Output {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .start_paused(paused)
         .build()
         .unwrap();
     LocalSet::new().block_on(&runtime, test)

@@ -29,7 +29,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use tokio::task::yield_now;
 
-use super::{options, settle_down, spawn_run};
+use super::{options, run_paused, settle_down, spawn_run};
 use crate::transport::{MemoryTransport, OutgoingMessage};
 use crate::{
     Aging, Dispatcher, Message, MessageId, Ordering, SchedulingPolicy, SubscriptionHandle, Weights,
@@ -321,18 +321,6 @@ fn bump<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, usize>, key: K) -> usiz
     let count = counts.entry(key).or_default();
     *count += 1;
     *count
-}
-
-/// Runs `test` on a current-thread runtime whose clock is paused: it jumps
-/// ahead only when every task waits (to a hanging handler's deadline), so
-/// no handler that runs to its end is ever cut off by a slow machine.
-fn run_paused<F: std::future::Future>(test: F) -> F::Output {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .unwrap();
-    tokio::task::LocalSet::new().block_on(&runtime, test)
 }
 
 fn topic(subscription: usize) -> String {

@@ -32,23 +32,19 @@ use std::time::Duration;
 use pulsar::proto::MessageIdData;
 use tokio::time::{Instant, Sleep};
 
+use super::settlement::{entry_of, EntryKey};
 use crate::message::MessageId;
 
 /// How long a consumer that nacked stays idle before it asks for one more
 /// rewind.
 pub(super) const IDLE_BEFORE_REWIND: Duration = Duration::from_secs(1);
 
-/// A message by where it sits on the broker: partition, ledger, entry and
-/// batch index.
-type Position = (i32, u64, u64, Option<i32>);
+/// A message by where it sits on the broker: its entry, and its index in
+/// the entry's batch.
+type Position = (EntryKey, Option<i32>);
 
 fn position(id: &MessageId) -> Position {
-    (
-        id.partition(),
-        id.ledger_id(),
-        id.entry_id(),
-        id.batch_index(),
-    )
+    (entry_of(id), id.batch_index())
 }
 
 /// What a consumer on a rewinding subscription keeps track of: the

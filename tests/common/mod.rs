@@ -102,15 +102,18 @@ pub fn admin_request(
             .get(&url)
             .header("Accept", "application/json")
             .call()?,
-        ("PUT", Some(body)) => agent
-            .put(&url)
-            .header("Content-Type", "application/json")
-            .send(body)?,
-        ("PUT", None) => agent.put(&url).send_empty()?,
-        ("POST", Some(body)) => agent
-            .post(&url)
-            .header("Content-Type", "application/json")
-            .send(body)?,
+        ("PUT" | "POST", body) => {
+            let request = match method {
+                "PUT" => agent.put(&url),
+                _ => agent.post(&url),
+            };
+            match body {
+                Some(body) => request
+                    .header("Content-Type", "application/json")
+                    .send(body)?,
+                None => request.send_empty()?,
+            }
+        }
         _ => panic!("admin_request: unsupported {method}"),
     };
     let status = response.status().as_u16();
