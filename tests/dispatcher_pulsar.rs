@@ -22,8 +22,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    fresh_topic, is_topic_or_partition, pulsar_url, run_local, start, unique_name, wait_for_stats,
-    wait_until, TopicKind,
+    close_and_join, fresh_topic, is_topic_or_partition, pulsar_url, run_local, start, unique_name,
+    wait_for_empty_backlog, wait_for_stats, wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 use tokio::sync::Notify;
@@ -92,14 +92,10 @@ fn every_message_of_several_prioritised_topics_is_processed_and_acked_once(kind:
         })
         .await;
         for topic in &topics {
-            let stats = wait_for_stats(topic, &subscription, Duration::from_secs(10), |s| {
-                s.msg_backlog == 0
-            })
-            .await;
+            let stats = wait_for_empty_backlog(topic, &subscription).await;
             assert_eq!(stats.msg_backlog, 0, "{topic} left unacked messages");
         }
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
 
         let mut per_topic: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
         for (topic, payload) in seen.borrow().iter() {
@@ -156,12 +152,8 @@ fn a_failed_message_is_redelivered_after_the_negative_ack_delay(kind: TopicKind)
             attempts.borrow().len() >= 4
         })
         .await;
-        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&dispatcher, run).await;
         assert_eq!(stats.msg_backlog, 0);
         for payload in ["a", "b"] {
             let times: Vec<_> = attempts
@@ -236,17 +228,13 @@ fn repeated_rewinds(kind: TopicKind, subscription_type: SubType) {
         }
         // Idle for longer than the wait before a rewind is asked for again.
         tokio::time::sleep(Duration::from_secs(3)).await;
-        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
         assert_eq!(
             repeated(),
             u64::from(asks),
             "{subscription_type:?}: once per nack, only where a nack rewinds"
         );
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
         assert_eq!(stats.msg_backlog, 0, "{subscription_type:?}");
         let handled: BTreeSet<String> = attempts.borrow().iter().cloned().collect();
         assert_eq!(
@@ -305,12 +293,8 @@ fn nothing_left_behind(kind: TopicKind, subscription_type: SubType) {
             handled() >= total as usize
         })
         .await;
-        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&dispatcher, run).await;
         assert_eq!(stats.msg_backlog, 0, "{subscription_type:?}");
     });
 }
@@ -405,12 +389,8 @@ fn no_second_run_while_handled(kind: TopicKind, subscription_type: SubType) {
         );
         open.set(true);
         gate.notify_waiters();
-        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&dispatcher, run).await;
         assert_eq!(stats.msg_backlog, 0, "{subscription_type:?}");
         for payload in &slow {
             assert_eq!(
@@ -470,8 +450,7 @@ fn with_a_slow_handler_the_backlog_stays_on_the_broker(kind: TopicKind) {
             handled.get() >= 50
         })
         .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
     });
 }
 
@@ -523,8 +502,7 @@ fn shutdown_under_load(kind: TopicKind, subscription_type: SubType) {
             processed.borrow().len() >= 40
         })
         .await;
-        first.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&first, run).await;
         let by_first = processed.borrow().len();
         assert!(
             by_first < total as usize,
@@ -541,12 +519,8 @@ fn shutdown_under_load(kind: TopicKind, subscription_type: SubType) {
             processed.borrow().iter().collect::<BTreeSet<_>>().len() >= total as usize
         })
         .await;
-        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
-        second.close().await;
-        run.await.unwrap().unwrap();
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&second, run).await;
 
         let all: BTreeSet<u32> = processed.borrow().iter().copied().collect();
         assert_eq!(
@@ -640,16 +614,12 @@ fn batch_acked_once_all_succeeded(kind: TopicKind, subscription_type: SubType) {
         );
         released.set(true);
         release.notify_waiters();
-        let done = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
+        let done = wait_for_empty_backlog(&topic, &subscription).await;
         assert_eq!(
             done.msg_backlog, 0,
             "{subscription_type:?}: acked once the whole batch succeeded"
         );
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
         assert_eq!(handled.borrow().len(), 5);
     });
 }

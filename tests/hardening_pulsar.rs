@@ -8,7 +8,9 @@ use std::convert::Infallible;
 use std::rc::Rc;
 use std::time::Duration;
 
-use common::{client, pulsar_url, run_local, start, unique_name, unique_topic, wait_for_stats};
+use common::{
+    client, close_and_join, pulsar_url, run_local, start, unique_name, unique_topic, wait_for_stats,
+};
 use pulsar_dispatcher::{Dispatcher, Error, Message, SubType, SubscribeOptions};
 
 #[test]
@@ -155,7 +157,6 @@ fn close_within_returns_with_a_hung_handler_and_its_message_comes_back() {
             redelivered.get()
         })
         .await;
-        second.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&second, run).await;
     });
 }

@@ -30,8 +30,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    client, pulsar_url, run_interop, run_local, start, topic_stats, unique_name, wait_for_stats,
-    wait_until,
+    client, close_and_join, pulsar_url, run_interop, run_local, start, topic_stats, unique_name,
+    wait_for_stats, wait_until,
 };
 use futures::StreamExt;
 use pulsar::consumer::InitialPosition;
@@ -451,8 +451,7 @@ fn python_retries_then_this_library_dead_letters_to_the_python_subscriptions_dlq
         )
         .await;
         assert_eq!(retries.msg_backlog, 0, "every retry was acked");
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
     });
 }
 
@@ -575,8 +574,7 @@ fn this_library_retries_then_python_dead_letters_to_our_subscriptions_dlq(names:
         )
         .await;
         assert_eq!(original.msg_backlog, 0, "this library acked the original");
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
     });
 }
 
@@ -636,7 +634,6 @@ fn a_python_dead_letter_topic_that_is_not_allowed_is_not_trusted() {
             "nothing may reach the untrusted {}: {stats}",
             chain.original_dlq()
         );
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
     });
 }

@@ -13,8 +13,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    add_partitions, create_partitioned_topic, fresh_topic, pulsar_url, run_local, start,
-    unique_name, wait_for_stats, wait_until, TopicKind,
+    add_partitions, close_and_join, create_partitioned_topic, fresh_topic, pulsar_url, run_local,
+    start, unique_name, wait_for_empty_backlog, wait_until, TopicKind,
 };
 use pulsar::consumer::InitialPosition;
 use pulsar::ConsumerOptions;
@@ -66,18 +66,14 @@ fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name()
                 handled.borrow().len() >= 60
             })
             .await;
-            let stats = wait_for_stats(&short_name, &subscription, Duration::from_secs(10), |s| {
-                s.msg_backlog == 0
-            })
-            .await;
+            let stats = wait_for_empty_backlog(&short_name, &subscription).await;
             let counted = dispatcher.stats().total();
             assert_eq!(
                 (counted.acked, counted.acks_failed),
                 (60, 0),
                 "{subscription_type:?}: {counted:?}"
             );
-            dispatcher.close().await;
-            run.await.unwrap().unwrap();
+            close_and_join(&dispatcher, run).await;
             assert_eq!(
                 stats.msg_backlog, 0,
                 "{subscription_type:?}: acks reached the broker"
@@ -142,20 +138,13 @@ async fn consume_partitions_added_while_running(subscription_type: SubType) {
     })
     .await;
     for index in [0, 2, 3] {
-        let stats = wait_for_stats(
-            &partition(index),
-            &subscription,
-            Duration::from_secs(10),
-            |s| s.msg_backlog == 0,
-        )
-        .await;
+        let stats = wait_for_empty_backlog(&partition(index), &subscription).await;
         assert_eq!(
             stats.msg_backlog, 0,
             "{subscription_type:?}: acks reached partition {index}"
         );
     }
-    dispatcher.close().await;
-    run.await.unwrap().unwrap();
+    close_and_join(&dispatcher, run).await;
     let by_partition: BTreeMap<String, BTreeSet<usize>> =
         handled
             .borrow()
@@ -226,10 +215,7 @@ fn key_shared_on_a_partitioned_topic_keeps_each_key_on_one_dispatcher_in_order()
             handled.borrow().len() >= messages
         })
         .await;
-        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
         for dispatcher in &dispatchers {
             dispatcher.close().await;
         }
@@ -325,12 +311,8 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
             handled.borrow().iter().collect::<BTreeSet<_>>().len() >= total
         })
         .await;
-        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&dispatcher, run).await;
         assert_eq!(stats.msg_backlog, 0);
         let seen: BTreeSet<usize> = handled.borrow().iter().copied().collect();
         assert_eq!(seen, (0..total).collect());

@@ -18,8 +18,9 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use common::{
-    base_topic, client, create_partitioned_topic, fresh_topic, is_topic_or_partition, pulsar_url,
-    run_interop, run_local, start, topic_stats, unique_name, wait_for_stats, wait_until, TopicKind,
+    base_topic, client, close_and_join, create_partitioned_topic, fresh_topic,
+    is_topic_or_partition, pulsar_url, run_interop, run_local, start, topic_stats, unique_name,
+    wait_for_empty_backlog, wait_until, TopicKind,
 };
 use futures::StreamExt;
 use pulsar::consumer::InitialPosition;
@@ -160,13 +161,9 @@ fn a_fatal_error_lands_in_the_dead_letter_topic_intact(kind: TopicKind) {
         let props = properties(&dead);
         assert_eq!(props["order"], "17");
         assert_origin(&props, &topic, kind);
-        let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
         assert_eq!(stats.msg_backlog, 0, "the original was acked");
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
     });
 }
 
@@ -229,8 +226,7 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic(k
         let slack = Duration::from_millis(50);
         assert!(attempts[1].0 - attempts[0].0 + slack >= Duration::from_secs(1));
         assert!(attempts[2].0 - attempts[1].0 + slack >= Duration::from_secs(2));
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
     });
 }
 
@@ -255,13 +251,9 @@ fn a_reply_is_published_before_the_original_is_acked(kind: TopicKind) {
         publish_order(&topic, "cat.png").await;
         let reply = next_message(&mut replies, "reply").await;
         assert_eq!(reply.payload.data, b"thumb:cat.png");
-        let acked = wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
+        let acked = wait_for_empty_backlog(&topic, &subscription).await;
         assert_eq!(acked.msg_backlog, 0);
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
     });
 }
 
@@ -336,8 +328,7 @@ fn a_topic_family_subscribes_the_documented_topics_and_priorities(kind: TopicKin
             handled.borrow().len() >= 6
         })
         .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
         assert_eq!(handled.borrow().len(), 6);
     });
 }
@@ -382,8 +373,7 @@ fn a_retried_message_carries_the_java_retry_letter_properties_for_python(kind: T
             publish_order(&topic, "unavailable").await;
         };
         let (result, ()) = tokio::join!(python, publish);
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
 
         let message = &result["messages"][0];
         assert_eq!(message["payload"], "unavailable");

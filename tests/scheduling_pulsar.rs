@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{
-    fresh_topic, pulsar_url, run_local, start, unique_name, wait_for_stats, wait_until, TopicKind,
+    close_and_join, fresh_topic, pulsar_url, run_local, start, unique_name, wait_for_stats,
+    wait_until, TopicKind,
 };
 use pulsar::consumer::InitialPosition;
 use pulsar::ConsumerOptions;
@@ -117,8 +118,7 @@ fn a_subscription_added_and_removed_under_load_loses_nothing_and_others_flow() {
             || visiting_seen.borrow().len() >= total,
         )
         .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
         for (name, seen) in [("steady", &steady_seen), ("visiting", &visiting_seen)] {
             let seen = seen.borrow();
             let distinct: BTreeSet<usize> = seen.iter().copied().collect();
@@ -256,8 +256,7 @@ fn max_in_flight_is_honoured_on_the_broker() {
             handled.get() >= 200
         })
         .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
         assert_eq!(most.get(), 3, "reached, never exceeded");
     });
 }
@@ -312,8 +311,7 @@ fn a_priority_changed_mid_run_reorders_the_work_that_follows() {
             order.borrow().len() >= 60
         })
         .await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        close_and_join(&dispatcher, run).await;
         let order = order.borrow();
         assert!(
             order[..switched_at].iter().all(|&tag| tag == 'f'),

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 
 use common::{
     client, now_millis, pulsar_url, run_interop, run_local, subscription_stats, unique_name,
-    unique_topic, wait_for_stats,
+    unique_topic, wait_for_empty_backlog, wait_for_stats,
 };
 
 type Client = Pulsar<TokioExecutor>;
@@ -217,10 +217,7 @@ fn receiver_queue_of_one_bounds_what_an_idle_consumer_takes() {
             assert_eq!(text(&msg), format!("m{i}"));
             consumer.ack(&msg).await.unwrap();
         }
-        let stats = wait_for_stats(&topic, &sub, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
+        let stats = wait_for_empty_backlog(&topic, &sub).await;
         assert_eq!(stats.msg_backlog, 0, "{stats:?}");
         consumer.close().await.unwrap();
     });
@@ -392,10 +389,7 @@ async fn python_to_rust(batching: bool) {
             );
         }
     }
-    let stats = wait_for_stats(&topic, &sub, Duration::from_secs(10), |s| {
-        s.msg_backlog == 0
-    })
-    .await;
+    let stats = wait_for_empty_backlog(&topic, &sub).await;
     assert_eq!(stats.msg_backlog, 0, "{stats:?}");
     consumer.close().await.unwrap();
 }
@@ -477,10 +471,7 @@ fn rust_producer_to_python_consumer_keeps_metadata() {
             assert_eq!(got["redelivery_count"], 0);
             assert_eq!(got["topic"].as_str(), Some(topic.as_str()));
         }
-        let stats = wait_for_stats(&topic, &sub, Duration::from_secs(10), |s| {
-            s.msg_backlog == 0
-        })
-        .await;
+        let stats = wait_for_empty_backlog(&topic, &sub).await;
         assert_eq!(stats.msg_backlog, 0, "Python acked everything: {stats:?}");
     });
 }

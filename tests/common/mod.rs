@@ -335,6 +335,19 @@ pub async fn wait_for_stats(
     }
 }
 
+/// Waits up to 10 seconds for `subscription` on `topic` to have no backlog
+/// (`msg_backlog == 0`: every message acknowledged) and returns the last
+/// stats either way, so the caller still asserts on them. A shorthand for
+/// the most common [`wait_for_stats`] call; like it, it yields to the
+/// runtime between polls so the `pulsar` crate's tasks run and queued acks
+/// reach the broker.
+pub async fn wait_for_empty_backlog(topic: &str, subscription: &str) -> SubscriptionStats {
+    wait_for_stats(topic, subscription, Duration::from_secs(10), |s| {
+        s.msg_backlog == 0
+    })
+    .await
+}
+
 /// The Python interpreter of the test virtualenv (`PULSAR_DISPATCHER_PYTHON`,
 /// set by `cargo xtask test`), which has `pulsar-client` installed.
 pub fn python() -> PathBuf {
@@ -481,6 +494,22 @@ pub fn start(
 ) -> tokio::task::JoinHandle<Result<(), pulsar_dispatcher::Error>> {
     let runner = dispatcher.clone();
     tokio::task::spawn_local(async move { runner.run().await })
+}
+
+/// Closes `dispatcher` and waits for its `run` task (from [`start`]),
+/// panicking unless the task finished and `run` returned `Ok`. The usual end
+/// of a test: a dispatcher that shuts down with an error, or whose run task
+/// panicked, fails the test with a message that names the error.
+pub async fn close_and_join(
+    dispatcher: &pulsar_dispatcher::Dispatcher,
+    run: tokio::task::JoinHandle<Result<(), pulsar_dispatcher::Error>>,
+) {
+    dispatcher.close().await;
+    match run.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("the dispatcher's run ended with an error after close: {e} ({e:?})"),
+        Err(e) => panic!("the dispatcher's run task did not finish: {e}"),
+    }
 }
 
 /// Waits, yielding to the runtime, until `done` holds; panics after `limit`.
