@@ -273,6 +273,8 @@ fn build(paths: &Paths, release: bool) -> Result<PathBuf, String> {
     Ok(paths.target.join(profile).join("chaos"))
 }
 
+/// Runs `scenarios` in order and prints the report table; fails naming
+/// every target missed.
 fn run_suite(
     paths: &Paths,
     addr: &BrokerAddr,
@@ -293,19 +295,7 @@ fn run_suite(
     let mut reports = Vec::new();
     for scenario in scenarios {
         if scenario.fault == Fault::KillBroker && broker.is_none() {
-            let mut report = Report::new(scenario);
-            report.skipped = Some(format!(
-                "skipped: the broker at {} was not started by this command, and chaos kills \
-                 only a broker it started (stop it with `cargo xtask broker stop`, or point \
-                 PULSAR_URL / PULSAR_WEB_URL / XTASK_BROKER_DIR at a free port and directory)",
-                addr.service_url
-            ));
-            info(&format!(
-                "{}: {}",
-                scenario.name,
-                report.skipped.as_deref().unwrap_or("")
-            ));
-            reports.push(report);
+            reports.push(skip_broker_kill(scenario, addr));
             continue;
         }
         info(&format!(
@@ -342,7 +332,31 @@ fn run_suite(
             break;
         }
     }
-    let table = render(&reports, suite_begun.elapsed());
+    summarize(&reports, &dir, suite_begun)
+}
+
+/// The report of a broker-kill scenario skipped because the broker at
+/// `addr` is not one this command started.
+fn skip_broker_kill(scenario: &Scenario, addr: &BrokerAddr) -> Report {
+    let mut report = Report::new(scenario);
+    report.skipped = Some(format!(
+        "skipped: the broker at {} was not started by this command, and chaos kills \
+         only a broker it started (stop it with `cargo xtask broker stop`, or point \
+         PULSAR_URL / PULSAR_WEB_URL / XTASK_BROKER_DIR at a free port and directory)",
+        addr.service_url
+    ));
+    info(&format!(
+        "{}: {}",
+        scenario.name,
+        report.skipped.as_deref().unwrap_or("")
+    ));
+    report
+}
+
+/// Prints the table of `reports` and saves it in `dir`; fails naming every
+/// target missed.
+fn summarize(reports: &[Report], dir: &Path, suite_begun: Instant) -> Result<(), String> {
+    let table = render(reports, suite_begun.elapsed());
     println!("{table}");
     let _ = fs::write(dir.join("report.txt"), &table);
     let failed: Vec<String> = reports
@@ -403,7 +417,7 @@ impl Report {
 fn render(reports: &[Report], total: Duration) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "\n{:<12} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8}  {}\n",
+        "\n{:<17} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8}  {}\n",
         "scenario",
         "produced",
         "handled",
@@ -418,7 +432,7 @@ fn render(reports: &[Report], total: Duration) -> String {
     ));
     for r in reports {
         if let Some(why) = &r.skipped {
-            out.push_str(&format!("{:<12} {why}\n", r.name));
+            out.push_str(&format!("{:<17} {why}\n", r.name));
             continue;
         }
         let rate = if r.secs > 0.0 {
@@ -427,7 +441,7 @@ fn render(reports: &[Report], total: Duration) -> String {
             "-".into()
         };
         out.push_str(&format!(
-            "{:<12} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>8} {:>8.1} {:>8}  {}\n",
+            "{:<17} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>8} {:>8.1} {:>8}  {}\n",
             r.name,
             r.produced,
             r.handled,
@@ -591,7 +605,96 @@ struct Memory {
     last: Option<Instant>,
 }
 
+/// One scenario's workers, what their logs said, and the state the watch
+/// loop keeps between two polls.
+struct Watch {
+    /// When the first worker started: the origin of every [`Handling::at`].
+    begun: Instant,
+    /// In start order: the last one is the current worker.
+    runs: Vec<WorkerRun>,
+    handlings: Handlings,
+    memory: Memory,
+    /// How many messages handled make the fault strike.
+    threshold: u64,
+    /// The fault struck, or the scenario has none.
+    fault_done: bool,
+    /// When the fault struck, in seconds since `begun`.
+    fault_at: Option<f64>,
+    unexpected_exits: usize,
+    /// The backlog at the last check (once a second).
+    backlog: Option<u64>,
+    last_check: Instant,
+    /// Checks in a row that found every backlog empty.
+    empty_checks: u32,
+    /// (handled, backlog) as last seen, and when that last changed.
+    last_seen: (u64, Option<u64>),
+    last_change: Instant,
+}
+
+/// What [`Ctx::handle_exit`] did about the current worker.
+enum ExitAction {
+    /// Nothing: it runs, or it exited when asked to.
+    None,
+    /// It exited and a new worker replaced it.
+    Replaced,
+    /// One unexpected exit too many: the scenario gives up.
+    GiveUp,
+}
+
+impl Watch {
+    /// Records that the fault strikes now.
+    fn strike(&mut self) {
+        self.fault_done = true;
+        self.fault_at = Some(self.begun.elapsed().as_secs_f64());
+    }
+
+    /// Samples the current worker's resident memory once it has subscribed,
+    /// at most once a second.
+    fn sample_memory(&mut self, handled: u64) {
+        let run = &self.runs[self.runs.len() - 1];
+        if run.subscribed.is_some()
+            && self
+                .memory
+                .last
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+        {
+            self.memory.last = Some(Instant::now());
+            if let Some(kib) = rss_kib(run.pid) {
+                self.memory
+                    .samples
+                    .push((self.begun.elapsed().as_secs_f64(), handled, kib));
+            }
+        }
+    }
+
+    /// Whether neither the handled count nor the backlog has changed for
+    /// [`STALL_LIMIT`]; if so, a failure says so.
+    fn stalled(&mut self, handled: u64, report: &mut Report) -> bool {
+        let backlog = self.backlog;
+        if (handled, backlog) != self.last_seen {
+            self.last_seen = (handled, backlog);
+            self.last_change = Instant::now();
+        }
+        if self.last_change.elapsed() <= STALL_LIMIT {
+            return false;
+        }
+        let when = if self.fault_done {
+            ""
+        } else {
+            " before the fault"
+        };
+        report.failures.push(format!(
+            "stalled: nothing handled and the backlog ({backlog:?}) unchanged for {} s{}",
+            STALL_LIMIT.as_secs(),
+            when
+        ));
+        true
+    }
+}
+
 impl Ctx<'_> {
+    /// Runs one scenario: produces its messages, has workers handle them
+    /// through the fault, and counts where every message ended.
     fn run(
         &self,
         scenario: &Scenario,
@@ -600,8 +703,37 @@ impl Ctx<'_> {
         fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
         let topics = Topics::new(&self.prefix);
         let mut report = Report::new(scenario);
-
         // Produce everything first: the load is the backlog.
+        let produced = self.produce(scenario, &topics, &mut report)?;
+        let mut watch = self.start(scenario, &topics)?;
+        let drained = self.watch(scenario, &topics, &mut watch, &mut report, broker)?;
+        report.secs = watch.begun.elapsed().as_secs_f64();
+        if !drained {
+            let backlog = watch.backlog;
+            report.notes.push(format!(
+                "gave up waiting after {:.0} s with backlog {backlog:?}",
+                report.secs
+            ));
+        }
+        let end_rss = watch.runs.last().and_then(|r| rss_kib(r.pid));
+        self.stop_workers(&mut watch, &mut report);
+        let dead = self.drain(&topics, &produced)?;
+        report.backlog = self.total_backlog(&topics);
+        count(scenario, &produced, &dead, &watch, &mut report);
+        if scenario.fault == Fault::Memory {
+            memory_notes(&watch.memory, end_rss, &mut report);
+        }
+        Ok(report)
+    }
+
+    /// Publishes the scenario's messages and returns the outcome meant for
+    /// each id; fails unless the broker confirmed every one.
+    fn produce(
+        &self,
+        scenario: &Scenario,
+        topics: &Topics,
+        report: &mut Report,
+    ) -> Result<HashMap<u64, String>, String> {
         let produced_file = self.dir.join("produced.txt");
         let mut produce = Command::new(self.binary);
         produce
@@ -627,15 +759,14 @@ impl Ctx<'_> {
             report.produced,
             begun.elapsed().as_secs_f64()
         ));
+        Ok(produced)
+    }
 
-        let mut handlings: Handlings = HashMap::new();
-        let mut runs: Vec<WorkerRun> = Vec::new();
-        let mut memory = Memory {
-            samples: Vec::new(),
-            last: None,
-        };
+    /// Starts the first worker and returns the watch over it.
+    fn start(&self, scenario: &Scenario, topics: &Topics) -> Result<Watch, String> {
         let threshold = (scenario.messages as f64 * scenario.at).ceil() as u64;
         let begun = Instant::now();
+        // With hung handlers the fault is the first worker's own close.
         let first_extra: Vec<(&str, String)> = match scenario.fault {
             Fault::HungClose => vec![
                 ("close-within-ms", CLOSE_WITHIN_MS.to_string()),
@@ -643,141 +774,159 @@ impl Ctx<'_> {
             ],
             _ => Vec::new(),
         };
-        runs.push(self.spawn_worker(scenario, &topics, 1, &first_extra)?);
+        let mut first = self.spawn_worker(scenario, topics, 1, &first_extra)?;
         if scenario.fault == Fault::HungClose {
-            runs[0].exit_expected = true;
+            first.exit_expected = true;
         }
-        let mut fault_done = scenario.fault == Fault::None || scenario.fault == Fault::Memory;
-        let mut fault_at = None;
-        let mut unexpected_exits = 0;
-        let mut empty_checks = 0;
-        let mut last_check = Instant::now();
-        let mut last_change = Instant::now();
-        let mut last_seen = (0u64, None::<u64>);
-        let mut backlog = None;
-        let drained = loop {
+        Ok(Watch {
+            begun,
+            runs: vec![first],
+            handlings: HashMap::new(),
+            memory: Memory {
+                samples: Vec::new(),
+                last: None,
+            },
+            threshold,
+            fault_done: scenario.fault == Fault::None || scenario.fault == Fault::Memory,
+            fault_at: None,
+            unexpected_exits: 0,
+            backlog: None,
+            last_check: Instant::now(),
+            empty_checks: 0,
+            last_seen: (0, None),
+            last_change: Instant::now(),
+        })
+    }
+
+    /// Polls the workers every 200 ms, replacing those that exit and
+    /// injecting the fault, until every backlog is empty (`true`) or the
+    /// scenario stalls, loses too many workers or its broker (`false`).
+    fn watch(
+        &self,
+        scenario: &Scenario,
+        topics: &Topics,
+        w: &mut Watch,
+        report: &mut Report,
+        broker: &mut Option<StartedBroker>,
+    ) -> Result<bool, String> {
+        loop {
             thread::sleep(Duration::from_millis(200));
-            let current = runs.len() - 1;
-            self.read_worker(&mut runs[current], &mut handlings, begun);
-            let handled = handlings.len() as u64;
-
-            if scenario.fault == Fault::Memory
-                && runs[current].subscribed.is_some()
-                && memory
-                    .last
-                    .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
-            {
-                memory.last = Some(Instant::now());
-                if let Some(kib) = rss_kib(runs[current].pid) {
-                    memory
-                        .samples
-                        .push((begun.elapsed().as_secs_f64(), handled, kib));
-                }
+            let current = w.runs.len() - 1;
+            self.read_worker(&mut w.runs[current], &mut w.handlings, w.begun);
+            let handled = w.handlings.len() as u64;
+            if scenario.fault == Fault::Memory {
+                w.sample_memory(handled);
             }
-
-            // A worker that exited.
-            if runs[current].status.is_none() {
-                if let Ok(Some(status)) = runs[current].child.try_wait() {
-                    runs[current].status = Some(status);
-                    self.read_worker(&mut runs[current], &mut handlings, begun);
-                    let run = &runs[current];
-                    if scenario.fault == Fault::HungClose && run.index == 1 {
-                        fault_done = true;
-                        fault_at = Some(begun.elapsed().as_secs_f64());
-                        self.check_hung_close(run, &mut report);
-                        runs.push(self.spawn_worker(scenario, &topics, 2, &[])?);
-                        continue;
-                    }
-                    if !run.exit_expected {
-                        unexpected_exits += 1;
-                        report.failures.push(format!(
-                            "worker {} exited unexpectedly ({status}; its last line: {}); \
-                             see {}",
-                            run.index,
-                            run.exit_line.as_deref().unwrap_or("none"),
-                            self.dir
-                                .join(format!("worker-{}.stderr", run.index))
-                                .display()
-                        ));
-                        if unexpected_exits > MAX_UNEXPECTED_EXITS {
-                            break false;
-                        }
-                        let next = runs.len() + 1;
-                        runs.push(self.spawn_worker(scenario, &topics, next, &[])?);
-                        continue;
-                    }
-                }
+            match self.handle_exit(scenario, topics, w, report)? {
+                ExitAction::None => {}
+                ExitAction::Replaced => continue,
+                ExitAction::GiveUp => return Ok(false),
             }
-
-            // The fault.
-            if !fault_done && handled >= threshold && scenario.fault != Fault::HungClose {
-                fault_done = true;
-                fault_at = Some(begun.elapsed().as_secs_f64());
-                self.inject(
-                    scenario,
-                    &topics,
-                    &mut runs,
-                    &mut handlings,
-                    &mut report,
-                    broker,
-                    begun,
-                )?;
+            if !w.fault_done && handled >= w.threshold && scenario.fault != Fault::HungClose {
+                w.strike();
+                self.inject(scenario, topics, w, report, broker)?;
                 if report.broker_gone {
-                    break false;
+                    return Ok(false);
                 }
                 continue;
             }
+            if self.drained(topics, w) {
+                return Ok(true);
+            }
+            if w.stalled(handled, report) {
+                return Ok(false);
+            }
+        }
+    }
 
-            // Done when every subscription's backlog is empty twice in a row.
-            if last_check.elapsed() >= Duration::from_secs(1) {
-                last_check = Instant::now();
-                backlog = self.total_backlog(&topics);
-                if fault_done && backlog == Some(0) && runs[current].subscribed.is_some() {
-                    empty_checks += 1;
-                    if empty_checks >= 2 {
-                        break true;
-                    }
-                } else {
-                    empty_checks = 0;
-                }
-            }
-            if (handled, backlog) != last_seen {
-                last_seen = (handled, backlog);
-                last_change = Instant::now();
-            }
-            if last_change.elapsed() > STALL_LIMIT {
-                report.failures.push(format!(
-                    "stalled: nothing handled and the backlog ({backlog:?}) unchanged for {} s{}",
-                    STALL_LIMIT.as_secs(),
-                    if fault_done { "" } else { " before the fault" }
-                ));
-                break false;
-            }
+    /// Takes in the current worker's exit, if it exited: the hung-close
+    /// worker is checked and replaced (that exit is the fault), an
+    /// unexpected exit is a failure and replaced.
+    fn handle_exit(
+        &self,
+        scenario: &Scenario,
+        topics: &Topics,
+        w: &mut Watch,
+        report: &mut Report,
+    ) -> Result<ExitAction, String> {
+        let current = w.runs.len() - 1;
+        let run = &mut w.runs[current];
+        if run.status.is_some() {
+            return Ok(ExitAction::None);
+        }
+        let Ok(Some(status)) = run.child.try_wait() else {
+            return Ok(ExitAction::None);
         };
-        report.secs = begun.elapsed().as_secs_f64();
-        if !drained {
-            report.notes.push(format!(
-                "gave up waiting after {:.0} s with backlog {backlog:?}",
-                report.secs
-            ));
+        run.status = Some(status);
+        self.read_worker(run, &mut w.handlings, w.begun);
+        if scenario.fault == Fault::HungClose && w.runs[current].index == 1 {
+            w.strike();
+            self.check_hung_close(&w.runs[current], report);
+            w.runs.push(self.spawn_worker(scenario, topics, 2, &[])?);
+            return Ok(ExitAction::Replaced);
         }
-        let end_rss = runs.last().and_then(|r| rss_kib(r.pid));
+        let run = &w.runs[current];
+        if run.exit_expected {
+            return Ok(ExitAction::None);
+        }
+        w.unexpected_exits += 1;
+        report.failures.push(format!(
+            "worker {} exited unexpectedly ({status}; its last line: {}); see {}",
+            run.index,
+            run.exit_line.as_deref().unwrap_or("none"),
+            self.dir
+                .join(format!("worker-{}.stderr", run.index))
+                .display()
+        ));
+        if w.unexpected_exits > MAX_UNEXPECTED_EXITS {
+            return Ok(ExitAction::GiveUp);
+        }
+        let next = w.runs.len() + 1;
+        w.runs.push(self.spawn_worker(scenario, topics, next, &[])?);
+        Ok(ExitAction::Replaced)
+    }
 
-        // Close the last worker gracefully.
-        let current = runs.len() - 1;
-        if runs[current].status.is_none() {
-            self.close_worker(&mut runs[current], &mut handlings, begun, &mut report);
+    /// Checks the backlogs once a second; done when two checks in a row
+    /// find every one empty, after the fault, with the current worker
+    /// subscribed.
+    fn drained(&self, topics: &Topics, w: &mut Watch) -> bool {
+        if w.last_check.elapsed() < Duration::from_secs(1) {
+            return false;
         }
-        for run in &mut runs {
+        w.last_check = Instant::now();
+        w.backlog = self.total_backlog(topics);
+        let current = w.runs.len() - 1;
+        if w.fault_done && w.backlog == Some(0) && w.runs[current].subscribed.is_some() {
+            w.empty_checks += 1;
+        } else {
+            w.empty_checks = 0;
+        }
+        w.empty_checks >= 2
+    }
+
+    /// Closes the current worker gracefully, kills any other still running,
+    /// and reads every worker's log to its end.
+    fn stop_workers(&self, w: &mut Watch, report: &mut Report) {
+        let current = w.runs.len() - 1;
+        if w.runs[current].status.is_none() {
+            self.close_worker(&mut w.runs[current], &mut w.handlings, w.begun, report);
+        }
+        for run in &mut w.runs {
             if run.status.is_none() {
                 let _ = run.child.kill();
                 run.status = run.child.wait().ok();
             }
             // Every line of every worker counts, the last ones included.
-            self.read_worker(run, &mut handlings, begun);
+            self.read_worker(run, &mut w.handlings, w.begun);
         }
+    }
 
-        // Dead letters and what is left on the broker.
+    /// Reads the dead letter topics and returns how often each id was read.
+    fn drain(
+        &self,
+        topics: &Topics,
+        produced: &HashMap<u64, String>,
+    ) -> Result<HashMap<u64, u64>, String> {
         let dlq_file = self.dir.join("dead-letters.txt");
         let expected_dead = produced
             .values()
@@ -793,22 +942,7 @@ impl Ctx<'_> {
             .arg("--out")
             .arg(&dlq_file);
         self.run_to_end(&mut drain, "drain", Duration::from_secs(300))?;
-        let dead = read_dead_letters(&dlq_file)?;
-        report.backlog = self.total_backlog(&topics);
-
-        self.count(
-            scenario,
-            &produced,
-            &handlings,
-            &dead,
-            &runs,
-            fault_at,
-            &mut report,
-        );
-        if scenario.fault == Fault::Memory {
-            memory_notes(&memory, end_rss, &mut report);
-        }
-        Ok(report)
+        read_dead_letters(&dlq_file)
     }
 
     fn run_to_end(&self, cmd: &mut Command, what: &str, limit: Duration) -> Result<(), String> {
@@ -939,80 +1073,93 @@ impl Ctx<'_> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Injects the scenario's fault, at [`Scenario::at`] of the messages
+    /// handled.
     fn inject(
         &self,
         scenario: &Scenario,
         topics: &Topics,
-        runs: &mut Vec<WorkerRun>,
-        handlings: &mut Handlings,
+        w: &mut Watch,
         report: &mut Report,
         broker: &mut Option<StartedBroker>,
-        begun: Instant,
     ) -> Result<(), String> {
-        let t = begun.elapsed().as_secs_f64();
-        let handled = handlings.len();
-        let current = runs.len() - 1;
+        let t = w.begun.elapsed().as_secs_f64();
+        let handled = w.handlings.len();
+        let current = w.runs.len() - 1;
         match scenario.fault {
             Fault::KillWorker => {
-                let run = &mut runs[current];
+                let run = &mut w.runs[current];
                 run.exit_expected = true;
                 let _ = run.child.kill();
                 run.status = run.child.wait().ok();
                 // What it wrote before it died.
-                self.read_worker(run, handlings, begun);
+                self.read_worker(run, &mut w.handlings, w.begun);
                 report.notes.push(format!(
                     "worker 1 (pid {}) killed with SIGKILL at {t:.1} s, {handled} messages \
                      handled; worker 2 started 1 s later",
                     run.pid
                 ));
                 thread::sleep(Duration::from_secs(1));
-                runs.push(self.spawn_worker(scenario, topics, 2, &[])?);
+                w.runs.push(self.spawn_worker(scenario, topics, 2, &[])?);
             }
             Fault::CloseWorker => {
-                let run = &mut runs[current];
+                let run = &mut w.runs[current];
                 let asked = Instant::now();
-                self.close_worker(run, handlings, begun, report);
+                self.close_worker(run, &mut w.handlings, w.begun, report);
                 report.notes.push(format!(
                     "worker 1 closed gracefully (SIGTERM → close()) at {t:.1} s, {handled} \
                      messages handled; exited after {:.1} s ({}); worker 2 started",
                     asked.elapsed().as_secs_f64(),
                     run.exit_line.as_deref().unwrap_or("no exit line"),
                 ));
-                runs.push(self.spawn_worker(scenario, topics, 2, &[])?);
+                w.runs.push(self.spawn_worker(scenario, topics, 2, &[])?);
             }
-            Fault::KillBroker => {
-                let Some(started) = broker.take() else {
-                    return Err("no broker of ours to kill".into());
-                };
-                let pid = started.pid();
-                started.kill()?;
-                let killed_log = self.dir.join("broker-before-kill.log");
-                let _ = fs::copy(&self.paths.log_file, &killed_log);
-                thread::sleep(BROKER_DOWN);
-                let restarting = Instant::now();
-                match broker::start(self.paths, self.addr) {
-                    Ok(started) => *broker = Some(started),
-                    Err(e) => {
-                        report.broker_gone = true;
-                        report
-                            .failures
-                            .push(format!("the broker did not come back: {e}"));
-                        return Ok(());
-                    }
-                }
-                report.notes.push(format!(
-                    "broker (pid {pid}) killed with SIGKILL at {t:.1} s, {handled} messages \
-                     handled; started again {} s later, answering after {:.1} s more \
-                     (down {:.1} s in all); its log before the kill: {}",
-                    BROKER_DOWN.as_secs(),
-                    restarting.elapsed().as_secs_f64(),
-                    begun.elapsed().as_secs_f64() - t,
-                    killed_log.display()
-                ));
-            }
+            Fault::KillBroker => self.kill_broker(w.begun, t, handled, report, broker)?,
             Fault::None | Fault::Memory | Fault::HungClose => {}
         }
+        Ok(())
+    }
+
+    /// SIGKILLs the broker this command started and starts it again after
+    /// [`BROKER_DOWN`]; the fault struck `t` s after `begun`, with `handled`
+    /// messages handled. A broker that does not come back sets
+    /// [`Report::broker_gone`].
+    fn kill_broker(
+        &self,
+        begun: Instant,
+        t: f64,
+        handled: usize,
+        report: &mut Report,
+        broker: &mut Option<StartedBroker>,
+    ) -> Result<(), String> {
+        let Some(started) = broker.take() else {
+            return Err("no broker of ours to kill".into());
+        };
+        let pid = started.pid();
+        started.kill()?;
+        let killed_log = self.dir.join("broker-before-kill.log");
+        let _ = fs::copy(&self.paths.log_file, &killed_log);
+        thread::sleep(BROKER_DOWN);
+        let restarting = Instant::now();
+        match broker::start(self.paths, self.addr) {
+            Ok(started) => *broker = Some(started),
+            Err(e) => {
+                report.broker_gone = true;
+                report
+                    .failures
+                    .push(format!("the broker did not come back: {e}"));
+                return Ok(());
+            }
+        }
+        report.notes.push(format!(
+            "broker (pid {pid}) killed with SIGKILL at {t:.1} s, {handled} messages \
+             handled; started again {} s later, answering after {:.1} s more \
+             (down {:.1} s in all); its log before the kill: {}",
+            BROKER_DOWN.as_secs(),
+            restarting.elapsed().as_secs_f64(),
+            begun.elapsed().as_secs_f64() - t,
+            killed_log.display()
+        ));
         Ok(())
     }
 
@@ -1103,156 +1250,223 @@ impl Ctx<'_> {
         }
         Some(total)
     }
+}
 
-    #[allow(clippy::too_many_arguments)]
-    fn count(
-        &self,
-        scenario: &Scenario,
+/// Where the produced messages ended, from the workers' logs and the dead
+/// letter topics.
+struct Tally<'a> {
+    handled: u64,
+    dead_lettered: u64,
+    /// Produced ids neither handled nor dead-lettered.
+    lost: Vec<u64>,
+    /// Ids handled successfully more than once, with their handlings.
+    duplicated: Vec<(&'a u64, &'a Vec<Handling>)>,
+    /// Ids that ended against their outcome, as `id (outcome: where)`.
+    wrong: Vec<String>,
+    /// Handled or dead-lettered ids that were never produced.
+    unknown: usize,
+    /// Ids read more than once from the dead letter topics.
+    dead_twice: usize,
+}
+
+impl<'a> Tally<'a> {
+    /// Tallies every id, produced or not.
+    fn new(
         produced: &HashMap<u64, String>,
-        handlings: &Handlings,
+        handlings: &'a Handlings,
         dead: &HashMap<u64, u64>,
-        runs: &[WorkerRun],
-        fault_at: Option<f64>,
-        report: &mut Report,
-    ) {
-        report.handled = produced
+    ) -> Tally<'a> {
+        let handled = produced
             .keys()
             .filter(|id| handlings.contains_key(id))
             .count() as u64;
-        report.dead_lettered = produced.keys().filter(|id| dead.contains_key(id)).count() as u64;
+        let dead_lettered = produced.keys().filter(|id| dead.contains_key(id)).count() as u64;
         let lost: Vec<u64> = produced
             .keys()
             .filter(|id| !handlings.contains_key(id) && !dead.contains_key(id))
             .copied()
             .collect();
-        report.lost = lost.len() as u64;
         let duplicated: Vec<(&u64, &Vec<Handling>)> =
             handlings.iter().filter(|(_, h)| h.len() > 1).collect();
-        report.duplicated = duplicated.len() as u64;
-        report.acked = runs.iter().map(|r| r.stat("acked_main")).sum();
-
-        // Where each message ended, against its outcome.
-        let mut wrong = Vec::new();
-        for (id, outcome) in produced {
-            let ok = handlings.contains_key(id);
-            let dead_lettered = dead.contains_key(id);
-            let right = match outcome.as_str() {
-                "fatal" | "retry-dlq" => dead_lettered && !ok,
-                _ => ok && !dead_lettered,
-            };
-            if !right && (ok || dead_lettered) {
-                wrong.push(format!(
-                    "{id} ({outcome}: {})",
-                    if ok { "handled" } else { "dead-lettered" }
-                ));
-            }
-        }
         let unknown = handlings
             .keys()
             .filter(|id| !produced.contains_key(id))
             .count()
             + dead.keys().filter(|id| !produced.contains_key(id)).count();
-        let dead_twice = dead.values().filter(|&&n| n > 1).count();
+        Tally {
+            handled,
+            dead_lettered,
+            lost,
+            duplicated,
+            wrong: misplaced(produced, handlings, dead),
+            unknown,
+            dead_twice: dead.values().filter(|&&n| n > 1).count(),
+        }
+    }
+}
 
-        let per_run: Vec<String> = runs
+/// The handled or dead-lettered ids that ended against their outcome, as
+/// `id (outcome: where)`.
+fn misplaced(
+    produced: &HashMap<u64, String>,
+    handlings: &Handlings,
+    dead: &HashMap<u64, u64>,
+) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for (id, outcome) in produced {
+        let ok = handlings.contains_key(id);
+        let dead_lettered = dead.contains_key(id);
+        let right = match outcome.as_str() {
+            "fatal" | "retry-dlq" => dead_lettered && !ok,
+            _ => ok && !dead_lettered,
+        };
+        if !right && (ok || dead_lettered) {
+            wrong.push(format!(
+                "{id} ({outcome}: {})",
+                if ok { "handled" } else { "dead-lettered" }
+            ));
+        }
+    }
+    wrong
+}
+
+/// Counts where every produced message ended into `report`, with notes on
+/// each worker, the duplicates and the oddities, then checks the targets.
+fn count(
+    scenario: &Scenario,
+    produced: &HashMap<u64, String>,
+    dead: &HashMap<u64, u64>,
+    watch: &Watch,
+    report: &mut Report,
+) {
+    let tally = Tally::new(produced, &watch.handlings, dead);
+    report.handled = tally.handled;
+    report.dead_lettered = tally.dead_lettered;
+    report.lost = tally.lost.len() as u64;
+    report.duplicated = tally.duplicated.len() as u64;
+    report.acked = watch.runs.iter().map(|r| r.stat("acked_main")).sum();
+
+    report
+        .notes
+        .extend(watch.runs.iter().map(worker_stats_note));
+    if !tally.duplicated.is_empty() {
+        report
+            .notes
+            .push(duplicates_note(&tally.duplicated, watch.fault_at));
+    }
+    let (dead_twice, unknown) = (tally.dead_twice, tally.unknown);
+    if dead_twice > 0 {
+        report.notes.push(format!(
+            "{dead_twice} message(s) dead-lettered more than once"
+        ));
+    }
+    if unknown > 0 {
+        report.notes.push(format!(
+            "{unknown} handled or dead-lettered id(s) never produced"
+        ));
+    }
+    target_failures(scenario, produced, tally, report);
+}
+
+/// One worker run's last counters.
+fn worker_stats_note(r: &WorkerRun) -> String {
+    format!(
+        "worker {}: succeeded={} failed={} panicked={} retried={} dead_lettered={} \
+         acked={} nacked={} deadline_exceeded={} acks_failed={} receive_errors={} \
+         redelivered_after_ack={} rewinds_repeated={} dropped_in_flight={}",
+        r.index,
+        r.stat("succeeded"),
+        r.stat("failed"),
+        r.stat("panicked"),
+        r.stat("retried"),
+        r.stat("dead_lettered"),
+        r.stat("acked"),
+        r.stat("nacked"),
+        r.stat("deadline_exceeded"),
+        r.stat("acks_failed"),
+        r.stat("receive_errors"),
+        r.stat("redelivered_after_ack"),
+        r.stat("rewinds_repeated"),
+        r.stat("dropped_in_flight"),
+    )
+}
+
+/// How the duplicates came about: across worker runs or within one, as
+/// retry-topic copies, around the fault.
+fn duplicates_note(duplicated: &[(&u64, &Vec<Handling>)], fault_at: Option<f64>) -> String {
+    // Two copies on the retry topic: the original was republished
+    // twice, its ack lost after the first republish.
+    let retry_copies = duplicated
+        .iter()
+        .filter(|(_, h)| h.iter().filter(|h| h.retry).count() > 1)
+        .count();
+    let across = duplicated
+        .iter()
+        .filter(|(_, h)| h.iter().any(|x| x.run != h[0].run))
+        .count();
+    let around_fault = fault_at.map_or(0, |at| {
+        duplicated
             .iter()
-            .map(|r| {
-                format!(
-                    "worker {}: succeeded={} failed={} panicked={} retried={} dead_lettered={} \
-                     acked={} nacked={} deadline_exceeded={} acks_failed={} receive_errors={} \
-                     redelivered_after_ack={} rewinds_repeated={} dropped_in_flight={}",
-                    r.index,
-                    r.stat("succeeded"),
-                    r.stat("failed"),
-                    r.stat("panicked"),
-                    r.stat("retried"),
-                    r.stat("dead_lettered"),
-                    r.stat("acked"),
-                    r.stat("nacked"),
-                    r.stat("deadline_exceeded"),
-                    r.stat("acks_failed"),
-                    r.stat("receive_errors"),
-                    r.stat("redelivered_after_ack"),
-                    r.stat("rewinds_repeated"),
-                    r.stat("dropped_in_flight"),
-                )
-            })
-            .collect();
-        report.notes.extend(per_run);
-        if !duplicated.is_empty() {
-            // Two copies on the retry topic: the original was republished
-            // twice, its ack lost after the first republish.
-            let retry_copies = duplicated
-                .iter()
-                .filter(|(_, h)| h.iter().filter(|h| h.retry).count() > 1)
-                .count();
-            let across = duplicated
-                .iter()
-                .filter(|(_, h)| h.iter().any(|x| x.run != h[0].run))
-                .count();
-            let around_fault = fault_at.map_or(0, |at| {
-                duplicated
-                    .iter()
-                    .filter(|(_, h)| h[0].at <= at && h[h.len() - 1].at > at)
-                    .count()
-            });
-            let mut sample: Vec<&u64> = duplicated.iter().map(|(id, _)| *id).collect();
-            sample.sort();
-            sample.truncate(10);
-            report.notes.push(format!(
-                "{} message(s) handled successfully more than once: {across} in two worker \
-                 runs, {} within one run; {retry_copies} of them as two retry-topic copies (the \
-                 original republished twice); {around_fault} handled before the fault and again \
-                 after it; e.g. ids {sample:?}",
-                duplicated.len(),
-                duplicated.len() - across,
-            ));
-        }
-        if dead_twice > 0 {
-            report.notes.push(format!(
-                "{dead_twice} message(s) dead-lettered more than once"
-            ));
-        }
-        if unknown > 0 {
-            report.notes.push(format!(
-                "{unknown} handled or dead-lettered id(s) never produced"
-            ));
-        }
-        // Targets.
-        if report.backlog != Some(0) {
-            report.failures.push(format!(
-                "the backlog did not empty (at the end: {:?})",
-                report.backlog
-            ));
-        }
-        if !lost.is_empty() {
-            let mut sample = lost.clone();
-            sample.sort();
-            sample.truncate(20);
-            let outcomes: BTreeMap<&str, usize> = lost.iter().fold(BTreeMap::new(), |mut m, id| {
-                *m.entry(produced[id].as_str()).or_default() += 1;
-                m
-            });
-            report.failures.push(format!(
-                "{} message(s) lost (neither handled nor dead-lettered), by outcome \
-                 {outcomes:?}; e.g. ids {sample:?}",
-                lost.len()
-            ));
-        }
-        if scenario.no_duplicates && !duplicated.is_empty() {
-            report.failures.push(format!(
-                "{} duplicate(s) with only graceful closes (target: 0)",
-                duplicated.len()
-            ));
-        }
-        if !wrong.is_empty() {
-            wrong.sort();
-            wrong.truncate(10);
-            report.failures.push(format!(
-                "messages that ended against their outcome, e.g. {}",
-                wrong.join(", ")
-            ));
-        }
+            .filter(|(_, h)| h[0].at <= at && h[h.len() - 1].at > at)
+            .count()
+    });
+    let mut sample: Vec<&u64> = duplicated.iter().map(|(id, _)| *id).collect();
+    sample.sort();
+    sample.truncate(10);
+    format!(
+        "{} message(s) handled successfully more than once: {across} in two worker \
+         runs, {} within one run; {retry_copies} of them as two retry-topic copies (the \
+         original republished twice); {around_fault} handled before the fault and again \
+         after it; e.g. ids {sample:?}",
+        duplicated.len(),
+        duplicated.len() - across,
+    )
+}
+
+/// The scenario's targets: an empty backlog, nothing lost, no duplicate
+/// where only graceful closes happened, every message where its outcome
+/// says.
+fn target_failures(
+    scenario: &Scenario,
+    produced: &HashMap<u64, String>,
+    tally: Tally,
+    report: &mut Report,
+) {
+    if report.backlog != Some(0) {
+        report.failures.push(format!(
+            "the backlog did not empty (at the end: {:?})",
+            report.backlog
+        ));
+    }
+    let lost = &tally.lost;
+    if !lost.is_empty() {
+        let mut sample = lost.clone();
+        sample.sort();
+        sample.truncate(20);
+        let outcomes: BTreeMap<&str, usize> = lost.iter().fold(BTreeMap::new(), |mut m, id| {
+            *m.entry(produced[id].as_str()).or_default() += 1;
+            m
+        });
+        report.failures.push(format!(
+            "{} message(s) lost (neither handled nor dead-lettered), by outcome \
+             {outcomes:?}; e.g. ids {sample:?}",
+            lost.len()
+        ));
+    }
+    if scenario.no_duplicates && !tally.duplicated.is_empty() {
+        report.failures.push(format!(
+            "{} duplicate(s) with only graceful closes (target: 0)",
+            tally.duplicated.len()
+        ));
+    }
+    let mut wrong = tally.wrong;
+    if !wrong.is_empty() {
+        wrong.sort();
+        wrong.truncate(10);
+        report.failures.push(format!(
+            "messages that ended against their outcome, e.g. {}",
+            wrong.join(", ")
+        ));
     }
 }
 
