@@ -381,14 +381,37 @@ fn run(options: &Options) -> Map<String, Value> {
         pulsar_dispatcher::per_core::available_cores(),
     );
     let mt_runtime = mt_port::runtime();
+    let ours = side_by_side_report(&sizes, &mt_runtime, &mut report);
+    python_report(&sizes, ours, &mut report);
+    allocations_report(&sizes, &mut report);
+    scaling_report(&sizes, &mut report);
+    matrix_report(&sizes, &mt_runtime, &mut report);
+    latencies(&sizes, &mt_runtime, &mut report);
+    drop(mt_runtime);
+    inversions_report(&sizes, &mut report);
+    per_core_report(&sizes, &mut report);
+    features::run(&sizes.features, &mut report);
+    if options.e2e {
+        e2e::run(&sizes, &mut report);
+    }
+    report
+}
 
+/// Ours, the spawn floor, the plain loop and the port on one workload
+/// (K = 1, C = 20), side by side; returns ours' wall and CPU time per
+/// message, which the Python original is compared with.
+fn side_by_side_report(
+    sizes: &Sizes,
+    mt_runtime: &tokio::runtime::Runtime,
+    report: &mut Map<String, Value>,
+) -> (f64, f64) {
     eprintln!("in memory: ours, floor, plain loop and multi-threaded port (K=1, C=20)");
     let SideBySide {
         ours: (ours, ours_cpu),
         floor: (floor, floor_cpu),
         plain: (plain, plain_cpu),
         mt: (mt, mt_cpu),
-    } = side_by_side(&sizes, &mt_runtime);
+    } = side_by_side(sizes, mt_runtime);
     for (bench, ns, cpu) in [
         ("ours", ours, ours_cpu),
         ("floor", floor, floor_cpu),
@@ -400,25 +423,26 @@ fn run(options: &Options) -> Map<String, Value> {
                     "messages": sizes.in_memory, "ns_per_msg": ns, "cpu_ns_per_msg": cpu}),
         );
     }
-    insert(&mut report, "dispatch_ns_per_msg", ours);
-    insert(&mut report, "spawn_floor_ns_per_msg", floor);
-    insert(&mut report, "plain_loop_ns_per_msg", plain);
-    insert(&mut report, "mt_port_ns_per_msg", mt);
-    insert(&mut report, "dispatch_cpu_ns_per_msg", ours_cpu);
-    insert(&mut report, "spawn_floor_cpu_ns_per_msg", floor_cpu);
-    insert(&mut report, "plain_loop_cpu_ns_per_msg", plain_cpu);
-    insert(&mut report, "mt_port_cpu_ns_per_msg", mt_cpu);
-    insert(&mut report, "dispatch_vs_floor", ours / floor);
-    insert(&mut report, "dispatch_vs_plain_loop", ours / plain);
-    insert(&mut report, "dispatch_cpu_vs_floor", ours_cpu / floor_cpu);
-    insert(
-        &mut report,
-        "dispatch_cpu_vs_plain_loop",
-        ours_cpu / plain_cpu,
-    );
-    insert(&mut report, "mt_port_vs_dispatch", mt / ours);
-    insert(&mut report, "mt_port_cpu_vs_dispatch", mt_cpu / ours_cpu);
+    insert(report, "dispatch_ns_per_msg", ours);
+    insert(report, "spawn_floor_ns_per_msg", floor);
+    insert(report, "plain_loop_ns_per_msg", plain);
+    insert(report, "mt_port_ns_per_msg", mt);
+    insert(report, "dispatch_cpu_ns_per_msg", ours_cpu);
+    insert(report, "spawn_floor_cpu_ns_per_msg", floor_cpu);
+    insert(report, "plain_loop_cpu_ns_per_msg", plain_cpu);
+    insert(report, "mt_port_cpu_ns_per_msg", mt_cpu);
+    insert(report, "dispatch_vs_floor", ours / floor);
+    insert(report, "dispatch_vs_plain_loop", ours / plain);
+    insert(report, "dispatch_cpu_vs_floor", ours_cpu / floor_cpu);
+    insert(report, "dispatch_cpu_vs_plain_loop", ours_cpu / plain_cpu);
+    insert(report, "mt_port_vs_dispatch", mt / ours);
+    insert(report, "mt_port_cpu_vs_dispatch", mt_cpu / ours_cpu);
 
+    (ours, ours_cpu)
+}
+
+/// The Python original on a fake client, the median of its runs.
+fn python_report(sizes: &Sizes, (ours, ours_cpu): (f64, f64), report: &mut Map<String, Value>) {
     eprintln!("in memory: the Python original on a fake client (K=1, C=20)");
     match python() {
         Some(python) => {
@@ -437,16 +461,20 @@ fn run(options: &Options) -> Map<String, Value> {
                             "messages": sizes.python_fake, "runs": count,
                             "ns_per_msg": ns, "cpu_ns_per_msg": cpu}),
                 );
-                insert(&mut report, "python_ref_ns_per_msg", ns);
-                insert(&mut report, "python_ref_cpu_ns_per_msg", cpu);
-                insert(&mut report, "python_ref_runs", count);
-                insert(&mut report, "python_ref_vs_dispatch", ns / ours);
-                insert(&mut report, "python_ref_cpu_vs_dispatch", cpu / ours_cpu);
+                insert(report, "python_ref_ns_per_msg", ns);
+                insert(report, "python_ref_cpu_ns_per_msg", cpu);
+                insert(report, "python_ref_runs", count);
+                insert(report, "python_ref_vs_dispatch", ns / ours);
+                insert(report, "python_ref_cpu_vs_dispatch", cpu / ours_cpu);
             }
         }
         None => eprintln!("  skipped: PULSAR_DISPATCHER_PYTHON is not set"),
     }
+}
 
+/// Allocations per message in steady state: ours, the floor, the plain
+/// loop and the scheduler alone.
+fn allocations_report(sizes: &Sizes, report: &mut Map<String, Value>) {
     eprintln!("in memory: allocations per message in steady state");
     let allocs = on_local(support::ours_counted(
         Workload::new(1, 20, sizes.in_memory),
@@ -473,11 +501,15 @@ fn run(options: &Options) -> Map<String, Value> {
     emit(json!({"bench": "allocations", "ours_per_msg": allocs,
                 "floor_per_msg": floor_allocs, "plain_loop_per_msg": plain_allocs,
                 "scheduler_per_msg": scheduler_allocs}));
-    insert(&mut report, "allocs_per_msg", allocs);
-    insert(&mut report, "floor_allocs_per_msg", floor_allocs);
-    insert(&mut report, "plain_loop_allocs_per_msg", plain_allocs);
-    insert(&mut report, "scheduler_allocs_per_msg", scheduler_allocs);
+    insert(report, "allocs_per_msg", allocs);
+    insert(report, "floor_allocs_per_msg", floor_allocs);
+    insert(report, "plain_loop_allocs_per_msg", plain_allocs);
+    insert(report, "scheduler_allocs_per_msg", scheduler_allocs);
+}
 
+/// Cost per message as subscriptions grow, on 1 and 16 levels, beside the
+/// plain loop reading as many topics.
+fn scaling_report(sizes: &Sizes, report: &mut Map<String, Value>) {
     eprintln!("in memory: scaling with subscriptions (C=20), and the plain loop over as many");
     let configs: Vec<(usize, usize)> = [1usize, 16]
         .iter()
@@ -522,23 +554,30 @@ fn run(options: &Options) -> Map<String, Value> {
     let ratio = |levels: usize| {
         ns(&format!("levels{levels}_subs1000")) / ns(&format!("levels{levels}_subs1"))
     };
-    insert(&mut report, "scaling_1000_vs_1", ratio(1));
-    insert(&mut report, "scaling_1000_vs_1_16_levels", ratio(16));
+    insert(report, "scaling_1000_vs_1", ratio(1));
+    insert(report, "scaling_1000_vs_1_16_levels", ratio(16));
     insert(
-        &mut report,
+        report,
         "plain_loop_scaling_1000_vs_1",
         ns("plain_loop_subs1000") / ns("plain_loop_subs1"),
     );
     // What ours adds to the plain loop per message, with 1000 topics and
     // with one: the dispatcher's own growth, the backlog's cost set aside.
     insert(
-        &mut report,
+        report,
         "scaling_1000_vs_1_beyond_plain_loop",
         (ns("levels1_subs1000") - ns("plain_loop_subs1000"))
             / (ns("levels1_subs1") - ns("plain_loop_subs1")),
     );
-    insert(&mut report, "scaling_ns_per_msg", Value::Object(scaling));
+    insert(report, "scaling_ns_per_msg", Value::Object(scaling));
+}
 
+/// Ours, the port and the floor over subscriptions x concurrency.
+fn matrix_report(
+    sizes: &Sizes,
+    mt_runtime: &tokio::runtime::Runtime,
+    report: &mut Map<String, Value>,
+) {
     eprintln!("in memory: K x C matrix");
     let mut matrix = Map::new();
     for concurrency in [1usize, 20, 256] {
@@ -549,7 +588,7 @@ fn run(options: &Options) -> Map<String, Value> {
         for subscriptions in [1usize, 10, 100] {
             let workload = Workload::new(subscriptions, concurrency, sizes.matrix);
             let ours = ours_ns(workload);
-            let mt = mt_ns(&mt_runtime, workload);
+            let mt = mt_ns(mt_runtime, workload);
             for (bench, ns) in [("ours", ours), ("mt_port", mt)] {
                 emit(json!({"bench": bench, "subscriptions": subscriptions,
                             "concurrency": concurrency, "messages": sizes.matrix,
@@ -561,11 +600,12 @@ fn run(options: &Options) -> Map<String, Value> {
             }
         }
     }
-    insert(&mut report, "matrix_ns_per_msg", Value::Object(matrix));
+    insert(report, "matrix_ns_per_msg", Value::Object(matrix));
+}
 
-    latencies(&sizes, &mt_runtime, &mut report);
-    drop(mt_runtime);
-
+/// Low-priority messages dispatched while a high-priority one waited, and
+/// the high-priority wait beyond the next permit release.
+fn inversions_report(sizes: &Sizes, report: &mut Map<String, Value>) {
     eprintln!("in memory: priority inversions (C=4, low-priority backlog, random high arrivals)");
     let found = on_local(latency::inversions(
         sizes.inversion_highs,
@@ -579,49 +619,51 @@ fn run(options: &Options) -> Map<String, Value> {
                 "low_ran_dry": found.low_ran_dry,
                 "excess_wait": percentiles_json(&excess), "wait": percentiles_json(&wait)}),
     );
-    insert(&mut report, "priority_inversions", found.inversions);
-    insert(&mut report, "high_priority_excess_wait_p50_ns", excess.p50);
-    insert(&mut report, "high_priority_excess_wait_p99_ns", excess.p99);
+    insert(report, "priority_inversions", found.inversions);
+    insert(report, "high_priority_excess_wait_p50_ns", excess.p50);
+    insert(report, "high_priority_excess_wait_p99_ns", excess.p99);
     insert(
-        &mut report,
+        report,
         "priority_inversion_detail",
         json!({"high_messages": found.high_messages, "low_messages": found.low_messages,
                "low_ran_dry": found.low_ran_dry, "excess_wait": percentiles_json(&excess),
                "wait": percentiles_json(&wait)}),
     );
+}
 
-    eprintln!("in memory: one dispatcher per core, 1 and 2, CPU-bound handler (~10 us)");
+/// Samples of `measure(1)` and `measure(2)`, `repeats` of each, the pair
+/// taken in alternating order so that drift hits both alike.
+fn one_and_two(repeats: usize, mut measure: impl FnMut(usize) -> f64) -> (Vec<f64>, Vec<f64>) {
     let (mut one, mut two) = (Vec::new(), Vec::new());
-    latency::per_core(1, sizes.per_core / 10, PER_CORE_WORK);
-    for repeat in 0..sizes.repeats.min(5) {
-        let mut run_two = || {
-            let elapsed = latency::per_core(2, sizes.per_core, PER_CORE_WORK);
-            two.push(sizes.per_core as f64 / elapsed.as_secs_f64());
-        };
+    for repeat in 0..repeats {
         if repeat % 2 == 1 {
-            run_two();
+            two.push(measure(2));
         }
-        let elapsed = latency::per_core(1, sizes.per_core, PER_CORE_WORK);
-        one.push(sizes.per_core as f64 / elapsed.as_secs_f64());
+        one.push(measure(1));
         if repeat % 2 == 0 {
-            run_two();
+            two.push(measure(2));
         }
     }
+    (one, two)
+}
+
+/// One dispatcher per core in memory, 1 against 2.
+fn per_core_report(sizes: &Sizes, report: &mut Map<String, Value>) {
+    eprintln!("in memory: one dispatcher per core, 1 and 2, CPU-bound handler (~10 us)");
+    latency::per_core(1, sizes.per_core / 10, PER_CORE_WORK);
+    let rate = |dispatchers| {
+        let elapsed = latency::per_core(dispatchers, sizes.per_core, PER_CORE_WORK);
+        sizes.per_core as f64 / elapsed.as_secs_f64()
+    };
+    let (one, two) = one_and_two(sizes.repeats.min(5), rate);
     let (one, two) = (median(one), median(two));
     for (cores, rate) in [(1, one), (2, two)] {
         emit(json!({"bench": "per_core_mem", "dispatchers": cores,
                     "messages": sizes.per_core, "msgs_per_s": rate}));
     }
-    insert(&mut report, "per_core_mem_1_msgs_per_s", one);
-    insert(&mut report, "per_core_mem_2_msgs_per_s", two);
-    insert(&mut report, "per_core_mem_2_vs_1", two / one);
-
-    features::run(&sizes.features, &mut report);
-
-    if options.e2e {
-        e2e::run(&sizes, &mut report);
-    }
-    report
+    insert(report, "per_core_mem_1_msgs_per_s", one);
+    insert(report, "per_core_mem_2_msgs_per_s", two);
+    insert(report, "per_core_mem_2_vs_1", two / one);
 }
 
 /// The open-loop latency benchmarks, ours and the port, and idle latency.

@@ -33,7 +33,10 @@ use pulsar_dispatcher::{Dispatcher, Message, SubscribeOptions};
 use serde_json::{json, Map, Value};
 
 use super::support::{on_local, receive_into};
-use super::{allocations, cpu_ns, emit, median, python, python_script, run_python, steady, Sizes};
+use super::{
+    allocations, cpu_ns, emit, median, one_and_two, python, python_script, run_python, steady,
+    Sizes,
+};
 
 pub fn pulsar_url() -> String {
     std::env::var("PULSAR_URL")
@@ -592,139 +595,167 @@ fn medians(runs: &[Rate]) -> Rate {
 }
 
 pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
-    let url = pulsar_url();
+    let url = &pulsar_url();
     let mut detail = Map::new();
     eprintln!("on the broker: warming the broker up");
-    on_local(e2e_raw(&url, sizes.e2e / 4, 1000));
-    on_local(e2e_ours(&url, sizes.e2e / 4, 1000));
-    on_local(e2e_transport(&url, sizes.e2e / 4, 1000));
+    on_local(e2e_raw(url, sizes.e2e / 4, 1000));
+    on_local(e2e_ours(url, sizes.e2e / 4, 1000));
+    on_local(e2e_transport(url, sizes.e2e / 4, 1000));
     for receiver_queue in [1000u32, 1] {
-        let messages = if receiver_queue == 1 {
-            sizes.e2e_queue_1
-        } else {
-            sizes.e2e
-        };
-        eprintln!(
-            "on the broker: ours, the plain loop{}, receiver queue {receiver_queue}",
-            if receiver_queue == 1000 {
-                " and the transport loop"
-            } else {
-                ""
-            }
-        );
-        let (mut ours, mut raw, mut transport, mut cumulative) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for repeat in 0..sizes.e2e_repeats {
-            // Rotate which goes first, so that drift hits all alike.
-            let mut order: Vec<&str> = vec!["ours", "raw", "transport", "cumulative"];
-            if receiver_queue != 1000 {
-                order.truncate(2);
-            }
-            let turn = repeat % order.len();
-            order.rotate_left(turn);
-            for which in order {
-                match which {
-                    "ours" => ours.push(on_local(e2e_ours(&url, messages, receiver_queue))),
-                    "raw" => raw.push(on_local(e2e_raw(&url, messages, receiver_queue))),
-                    "cumulative" => cumulative.push(on_local(e2e_raw_acking(
-                        &url,
-                        messages,
-                        receiver_queue,
-                        CUMULATIVE_GROUP,
-                    ))),
-                    _ => transport.push(on_local(e2e_transport(&url, messages, receiver_queue))),
-                }
-            }
-        }
-        for (bench, samples) in [
-            ("e2e_ours_sample", &ours),
-            ("e2e_raw_sample", &raw),
-            ("e2e_transport_sample", &transport),
-            ("e2e_raw_cumulative_sample", &cumulative),
-        ] {
-            for sample in samples.iter() {
-                emit(json!({"bench": bench, "receiver_queue": receiver_queue,
-                            "messages": messages, "msgs_per_s": sample.msgs_per_s,
-                            "cpu_us_per_msg": sample.cpu_us_per_msg,
-                            "allocs_per_msg": sample.allocs_per_msg}));
-            }
-        }
-        let (ours, raw) = (medians(&ours), medians(&raw));
-        for (bench, rate) in [("e2e_ours", ours), ("e2e_raw", raw)] {
-            emit(json!({"bench": bench, "receiver_queue": receiver_queue,
-                        "messages": messages, "msgs_per_s": rate.msgs_per_s,
-                        "cpu_us_per_msg": rate.cpu_us_per_msg,
-                        "allocs_per_msg": rate.allocs_per_msg}));
-        }
-        let q = receiver_queue;
-        detail.insert(format!("ours_q{q}"), json!(ours.msgs_per_s));
-        detail.insert(format!("raw_q{q}"), json!(raw.msgs_per_s));
-        detail.insert(format!("ours_cpu_us_q{q}"), json!(ours.cpu_us_per_msg));
-        detail.insert(format!("raw_cpu_us_q{q}"), json!(raw.cpu_us_per_msg));
-        detail.insert(format!("ours_allocs_q{q}"), json!(ours.allocs_per_msg));
-        detail.insert(format!("raw_allocs_q{q}"), json!(raw.allocs_per_msg));
-        if receiver_queue == 1000 {
-            let transport = medians(&transport);
-            emit(
-                json!({"bench": "e2e_transport", "receiver_queue": receiver_queue,
-                        "messages": messages, "msgs_per_s": transport.msgs_per_s,
-                        "cpu_us_per_msg": transport.cpu_us_per_msg,
-                        "allocs_per_msg": transport.allocs_per_msg}),
-            );
-            detail.insert("transport_q1000".into(), json!(transport.msgs_per_s));
-            detail.insert(
-                "transport_cpu_us_q1000".into(),
-                json!(transport.cpu_us_per_msg),
-            );
-            report.insert("e2e_msgs_per_s".into(), json!(ours.msgs_per_s));
-            report.insert("e2e_raw_msgs_per_s".into(), json!(raw.msgs_per_s));
-            report.insert(
-                "e2e_transport_msgs_per_s".into(),
-                json!(transport.msgs_per_s),
-            );
-            report.insert("e2e_vs_raw".into(), json!(ours.msgs_per_s / raw.msgs_per_s));
-            report.insert("e2e_cpu_us_per_msg".into(), json!(ours.cpu_us_per_msg));
-            report.insert("e2e_raw_cpu_us_per_msg".into(), json!(raw.cpu_us_per_msg));
-            report.insert(
-                "e2e_transport_cpu_us_per_msg".into(),
-                json!(transport.cpu_us_per_msg),
-            );
-            report.insert(
-                "e2e_cpu_vs_raw".into(),
-                json!(ours.cpu_us_per_msg / raw.cpu_us_per_msg),
-            );
-            let cumulative = medians(&cumulative);
-            report.insert(
-                "e2e_raw_cumulative_cpu_us_per_msg".into(),
-                json!(cumulative.cpu_us_per_msg),
-            );
-            report.insert(
-                "e2e_cpu_vs_raw_cumulative".into(),
-                json!(ours.cpu_us_per_msg / cumulative.cpu_us_per_msg),
-            );
-            report.insert("e2e_allocs_per_msg".into(), json!(ours.allocs_per_msg));
-            report.insert("e2e_raw_allocs_per_msg".into(), json!(raw.allocs_per_msg));
-            report.insert(
-                "e2e_transport_allocs_per_msg".into(),
-                json!(transport.allocs_per_msg),
-            );
-            report.insert(
-                "pulsar_transport_allocs_per_msg".into(),
-                json!(transport.allocs_per_msg - raw.allocs_per_msg),
-            );
-        } else {
-            report.insert(
-                "e2e_q1_vs_raw".into(),
-                json!(ours.msgs_per_s / raw.msgs_per_s),
-            );
-            report.insert(
-                "e2e_q1_cpu_vs_raw".into(),
-                json!(ours.cpu_us_per_msg / raw.cpu_us_per_msg),
-            );
-        }
+        rates(url, sizes, receiver_queue, &mut detail, report);
     }
     let python = python();
-    match &python {
+    python_rates(python.as_deref(), url, sizes, &mut detail, report);
+    latencies(python.as_deref(), url, sizes, report);
+    per_core(url, sizes, &mut detail, report);
+    report.insert("e2e_msgs_per_s_detail".into(), Value::Object(detail));
+}
+
+/// Ours, the plain loop, and with the large queue the transport loop and a
+/// plain loop acking cumulatively, in rotating order: rate, client CPU and
+/// allocations per message.
+fn rates(
+    url: &str,
+    sizes: &Sizes,
+    receiver_queue: u32,
+    detail: &mut Map<String, Value>,
+    report: &mut Map<String, Value>,
+) {
+    let messages = if receiver_queue == 1 {
+        sizes.e2e_queue_1
+    } else {
+        sizes.e2e
+    };
+    eprintln!(
+        "on the broker: ours, the plain loop{}, receiver queue {receiver_queue}",
+        if receiver_queue == 1000 {
+            " and the transport loop"
+        } else {
+            ""
+        }
+    );
+    let (mut ours, mut raw, mut transport, mut cumulative) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for repeat in 0..sizes.e2e_repeats {
+        // Rotate which goes first, so that drift hits all alike.
+        let mut order: Vec<&str> = vec!["ours", "raw", "transport", "cumulative"];
+        if receiver_queue != 1000 {
+            order.truncate(2);
+        }
+        let turn = repeat % order.len();
+        order.rotate_left(turn);
+        for which in order {
+            match which {
+                "ours" => ours.push(on_local(e2e_ours(url, messages, receiver_queue))),
+                "raw" => raw.push(on_local(e2e_raw(url, messages, receiver_queue))),
+                "cumulative" => cumulative.push(on_local(e2e_raw_acking(
+                    url,
+                    messages,
+                    receiver_queue,
+                    CUMULATIVE_GROUP,
+                ))),
+                _ => transport.push(on_local(e2e_transport(url, messages, receiver_queue))),
+            }
+        }
+    }
+    for (bench, samples) in [
+        ("e2e_ours_sample", &ours),
+        ("e2e_raw_sample", &raw),
+        ("e2e_transport_sample", &transport),
+        ("e2e_raw_cumulative_sample", &cumulative),
+    ] {
+        for sample in samples.iter() {
+            emit(json!({"bench": bench, "receiver_queue": receiver_queue,
+                        "messages": messages, "msgs_per_s": sample.msgs_per_s,
+                        "cpu_us_per_msg": sample.cpu_us_per_msg,
+                        "allocs_per_msg": sample.allocs_per_msg}));
+        }
+    }
+    let (ours, raw) = (medians(&ours), medians(&raw));
+    for (bench, rate) in [("e2e_ours", ours), ("e2e_raw", raw)] {
+        emit(json!({"bench": bench, "receiver_queue": receiver_queue,
+                    "messages": messages, "msgs_per_s": rate.msgs_per_s,
+                    "cpu_us_per_msg": rate.cpu_us_per_msg,
+                    "allocs_per_msg": rate.allocs_per_msg}));
+    }
+    let q = receiver_queue;
+    detail.insert(format!("ours_q{q}"), json!(ours.msgs_per_s));
+    detail.insert(format!("raw_q{q}"), json!(raw.msgs_per_s));
+    detail.insert(format!("ours_cpu_us_q{q}"), json!(ours.cpu_us_per_msg));
+    detail.insert(format!("raw_cpu_us_q{q}"), json!(raw.cpu_us_per_msg));
+    detail.insert(format!("ours_allocs_q{q}"), json!(ours.allocs_per_msg));
+    detail.insert(format!("raw_allocs_q{q}"), json!(raw.allocs_per_msg));
+    if receiver_queue == 1000 {
+        let transport = medians(&transport);
+        emit(
+            json!({"bench": "e2e_transport", "receiver_queue": receiver_queue,
+                    "messages": messages, "msgs_per_s": transport.msgs_per_s,
+                    "cpu_us_per_msg": transport.cpu_us_per_msg,
+                    "allocs_per_msg": transport.allocs_per_msg}),
+        );
+        detail.insert("transport_q1000".into(), json!(transport.msgs_per_s));
+        detail.insert(
+            "transport_cpu_us_q1000".into(),
+            json!(transport.cpu_us_per_msg),
+        );
+        report.insert("e2e_msgs_per_s".into(), json!(ours.msgs_per_s));
+        report.insert("e2e_raw_msgs_per_s".into(), json!(raw.msgs_per_s));
+        report.insert(
+            "e2e_transport_msgs_per_s".into(),
+            json!(transport.msgs_per_s),
+        );
+        report.insert("e2e_vs_raw".into(), json!(ours.msgs_per_s / raw.msgs_per_s));
+        report.insert("e2e_cpu_us_per_msg".into(), json!(ours.cpu_us_per_msg));
+        report.insert("e2e_raw_cpu_us_per_msg".into(), json!(raw.cpu_us_per_msg));
+        report.insert(
+            "e2e_transport_cpu_us_per_msg".into(),
+            json!(transport.cpu_us_per_msg),
+        );
+        report.insert(
+            "e2e_cpu_vs_raw".into(),
+            json!(ours.cpu_us_per_msg / raw.cpu_us_per_msg),
+        );
+        let cumulative = medians(&cumulative);
+        report.insert(
+            "e2e_raw_cumulative_cpu_us_per_msg".into(),
+            json!(cumulative.cpu_us_per_msg),
+        );
+        report.insert(
+            "e2e_cpu_vs_raw_cumulative".into(),
+            json!(ours.cpu_us_per_msg / cumulative.cpu_us_per_msg),
+        );
+        report.insert("e2e_allocs_per_msg".into(), json!(ours.allocs_per_msg));
+        report.insert("e2e_raw_allocs_per_msg".into(), json!(raw.allocs_per_msg));
+        report.insert(
+            "e2e_transport_allocs_per_msg".into(),
+            json!(transport.allocs_per_msg),
+        );
+        report.insert(
+            "pulsar_transport_allocs_per_msg".into(),
+            json!(transport.allocs_per_msg - raw.allocs_per_msg),
+        );
+    } else {
+        report.insert(
+            "e2e_q1_vs_raw".into(),
+            json!(ours.msgs_per_s / raw.msgs_per_s),
+        );
+        report.insert(
+            "e2e_q1_cpu_vs_raw".into(),
+            json!(ours.cpu_us_per_msg / raw.cpu_us_per_msg),
+        );
+    }
+}
+
+/// The Python original on the broker, the median of up to three runs per
+/// receiver queue.
+fn python_rates(
+    python: Option<&std::path::Path>,
+    url: &str,
+    sizes: &Sizes,
+    detail: &mut Map<String, Value>,
+    report: &mut Map<String, Value>,
+) {
+    match python {
         Some(python) => {
             for receiver_queue in [1000u32, 1] {
                 eprintln!("on the broker: the Python original, receiver queue {receiver_queue}");
@@ -735,7 +766,7 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
                 };
                 let mut runs = Vec::new();
                 for _ in 0..sizes.python_repeats.min(3) {
-                    match python_e2e(python, &url, messages, receiver_queue) {
+                    match python_e2e(python, url, messages, receiver_queue) {
                         Ok(rate) => runs.push(rate),
                         Err(error) => eprintln!("  a run failed: {error}"),
                     }
@@ -769,15 +800,24 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
             "on the broker: the Python original skipped (PULSAR_DISPATCHER_PYTHON is not set)"
         ),
     }
+}
 
+/// Publish to handler start at a fixed rate: ours, the plain loop and the
+/// Python original.
+fn latencies(
+    python: Option<&std::path::Path>,
+    url: &str,
+    sizes: &Sizes,
+    report: &mut Map<String, Value>,
+) {
     eprintln!(
         "on the broker: publish to handler start at {LATENCY_RATE} msg/s: ours, the plain loop, the Python original"
     );
     let mut latencies = Map::new();
-    let ours = steady(&on_local(latency_ours(&url, sizes.e2e_latency)));
-    let raw = steady(&on_local(latency_raw(&url, sizes.e2e_latency)));
-    let python_latency = python.as_deref().and_then(|python| {
-        latency_python(python, &url, sizes.e2e_latency)
+    let ours = steady(&on_local(latency_ours(url, sizes.e2e_latency)));
+    let raw = steady(&on_local(latency_raw(url, sizes.e2e_latency)));
+    let python_latency = python.and_then(|python| {
+        latency_python(python, url, sizes.e2e_latency)
             .map_err(|error| eprintln!("  the Python run failed: {error}"))
             .ok()
             .map(|ages| steady(&ages))
@@ -805,18 +845,19 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
     }
     latencies.insert("msgs_per_s".into(), json!(LATENCY_RATE));
     report.insert("e2e_latency".into(), Value::Object(latencies));
+}
 
+/// One dispatcher per core on the broker, 1 against 2.
+fn per_core(
+    url: &str,
+    sizes: &Sizes,
+    detail: &mut Map<String, Value>,
+    report: &mut Map<String, Value>,
+) {
     eprintln!("on the broker: one dispatcher per core, 1 and 2 cores, receiver queue 1000");
-    let (mut one, mut two) = (Vec::new(), Vec::new());
-    for repeat in 0..sizes.e2e_repeats {
-        if repeat % 2 == 1 {
-            two.push(e2e_per_core(&url, 2, sizes.e2e, 1000));
-        }
-        one.push(e2e_per_core(&url, 1, sizes.e2e, 1000));
-        if repeat % 2 == 0 {
-            two.push(e2e_per_core(&url, 2, sizes.e2e, 1000));
-        }
-    }
+    let (one, two) = one_and_two(sizes.e2e_repeats, |cores| {
+        e2e_per_core(url, cores, sizes.e2e, 1000)
+    });
     for (cores, samples) in [(1, &one), (2, &two)] {
         for rate in samples.iter() {
             emit(json!({"bench": "e2e_per_core_sample", "cores": cores,
@@ -833,31 +874,30 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
     detail.insert("per_core_1".into(), json!(one));
     detail.insert("per_core_2".into(), json!(two));
     report.insert("per_core_2_vs_1".into(), json!(two / one));
-    report.insert("e2e_msgs_per_s_detail".into(), Value::Object(detail));
 }
 
 /// The broker's `--profile` targets; `None` if `what` is not one of them.
 pub fn profile(what: &str) -> Option<String> {
-    let url = pulsar_url();
+    let url = &pulsar_url();
     if let Some(queue) = what.strip_prefix("e2e-q") {
         // Ours and the plain loop on the broker at one receiver queue size.
         let queue: u32 = queue.parse().expect("e2e-q<receiver queue size>");
         let messages = if queue == 1 { 200 } else { 20_000 };
-        let ours = on_local(e2e_ours(&url, messages, queue));
-        let raw = on_local(e2e_raw(&url, messages, queue));
+        let ours = on_local(e2e_ours(url, messages, queue));
+        let raw = on_local(e2e_raw(url, messages, queue));
         return Some(format!(
             "receiver queue {queue}: ours {ours:?}, plain loop {raw:?}"
         ));
     }
     let messages = 20_000;
     let rate = match what {
-        "e2e-ours" => on_local(e2e_ours(&url, messages, 1000)),
-        "e2e-raw" => on_local(e2e_raw(&url, messages, 1000)),
-        "e2e-raw-cumulative" => on_local(e2e_raw_acking(&url, messages, 1000, CUMULATIVE_GROUP)),
-        "e2e-transport" => on_local(e2e_transport(&url, messages, 1000)),
+        "e2e-ours" => on_local(e2e_ours(url, messages, 1000)),
+        "e2e-raw" => on_local(e2e_raw(url, messages, 1000)),
+        "e2e-raw-cumulative" => on_local(e2e_raw_acking(url, messages, 1000, CUMULATIVE_GROUP)),
+        "e2e-transport" => on_local(e2e_transport(url, messages, 1000)),
         "e2e-latency" => {
-            let ours = steady(&on_local(latency_ours(&url, 4_000)));
-            let raw = steady(&on_local(latency_raw(&url, 4_000)));
+            let ours = steady(&on_local(latency_ours(url, 4_000)));
+            let raw = steady(&on_local(latency_raw(url, 4_000)));
             return Some(format!("latency: ours {ours:?}, plain loop {raw:?}"));
         }
         _ => return None,
