@@ -1,5 +1,15 @@
-//! Hashing done by the crate itself: an ordering key is hashed once, when
-//! its message arrives, by a hash fast for the short keys messages carry.
+//! Hashing done by the crate itself, for keys it chooses or trusts: an
+//! ordering key, hashed once when its message arrives, and the keys of the
+//! maps on the per-message path (topic names, the broker's message
+//! positions), by a hash fast for short keys and integers.
+
+/// An odd constant near 2^64 / phi: multiplying by it spreads a word's bits.
+const ODD: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// Mixes one word into a running state.
+fn absorb(state: u64, word: u64) -> u64 {
+    (state ^ word).wrapping_mul(ODD).rotate_left(27)
+}
 
 /// Hashes an ordering key's bytes to 64 well-mixed bits, in a few
 /// nanoseconds for the short keys messages carry.
@@ -9,8 +19,6 @@
 /// allows, and the table it feeds stays small (bounded by buffers and
 /// permits).
 pub(crate) fn hash_key(bytes: &[u8]) -> u64 {
-    const ODD: u64 = 0x9E37_79B9_7F4A_7C15;
-    let absorb = |state: u64, word: u64| (state ^ word).wrapping_mul(ODD).rotate_left(27);
     let mut words = bytes.chunks_exact(8);
     let mut state = (bytes.len() as u64).wrapping_mul(ODD);
     for word in &mut words {
@@ -25,16 +33,49 @@ pub(crate) fn hash_key(bytes: &[u8]) -> u64 {
     avalanche(state)
 }
 
-/// A [`Hasher`](std::hash::Hasher) made of [`hash_key`], for maps keyed by
-/// names the crate chooses or trusts (the in-memory transport's topics):
-/// a fraction of SipHash's cost for a short name, and no defence against
-/// keys chosen to collide, which those maps need none of.
+/// A [`Hasher`](std::hash::Hasher) for maps keyed by what the crate
+/// chooses or trusts: the in-memory transport's topic names, and the
+/// positions the broker gives messages (partition, ledger, entry, batch
+/// index), which the Pulsar transport looks up a few times per message. A
+/// byte string costs one [`hash_key`] and each field one mixing step (two
+/// multiplies, three shifts): a fraction of SipHash's cost, with no
+/// defence against keys chosen to collide, which none of those maps needs
+/// (the broker is trusted as much as the topics' names).
 #[derive(Default)]
-pub(crate) struct NameHasher(u64);
+pub(crate) struct TrustedHasher(u64);
 
-impl std::hash::Hasher for NameHasher {
+impl std::hash::Hasher for TrustedHasher {
     fn write(&mut self, bytes: &[u8]) {
-        self.0 = avalanche(self.0 ^ hash_key(bytes));
+        self.write_u64(hash_key(bytes));
+    }
+
+    fn write_u8(&mut self, word: u8) {
+        self.write_u64(u64::from(word));
+    }
+
+    fn write_u32(&mut self, word: u32) {
+        self.write_u64(u64::from(word));
+    }
+
+    fn write_i32(&mut self, word: i32) {
+        // Sign-extended: any i32 maps to a distinct u64.
+        self.write_u64(i64::from(word) as u64);
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        // A full mix per word, from a state that is never zero going in:
+        // the keys are small integers a few low bits apart, which a
+        // multiply alone lets collide (and a zero state would let leading
+        // zero fields vanish).
+        self.0 = avalanche(self.0.wrapping_add(ODD) ^ word);
+    }
+
+    fn write_usize(&mut self, word: usize) {
+        self.write_u64(word as u64);
+    }
+
+    fn write_isize(&mut self, word: isize) {
+        self.write_u64(word as u64);
     }
 
     fn finish(&self) -> u64 {
@@ -42,8 +83,8 @@ impl std::hash::Hasher for NameHasher {
     }
 }
 
-/// Builds [`NameHasher`]s, for `HashMap::with_hasher` and `Default`.
-pub(crate) type NameHashing = std::hash::BuildHasherDefault<NameHasher>;
+/// Builds [`TrustedHasher`]s, for `HashMap::with_hasher` and `Default`.
+pub(crate) type TrustedHashing = std::hash::BuildHasherDefault<TrustedHasher>;
 
 /// Makes every output bit depend on every input bit (the finalizer of
 /// SplitMix64), so the table's bucket and tag bits both vary.
@@ -57,7 +98,7 @@ fn avalanche(mut x: u64) -> u64 {
 mod tests {
     use std::collections::HashSet;
 
-    use super::{hash_key, NameHashing};
+    use super::{hash_key, TrustedHashing};
 
     #[test]
     fn distinct_short_keys_hash_apart_and_each_bit_varies() {
@@ -91,10 +132,10 @@ mod tests {
         let names: Vec<String> = (0..1_000)
             .map(|n| format!("persistent://public/default/topic-{n}"))
             .collect();
-        let hashing = NameHashing::default();
+        let hashing = TrustedHashing::default();
         let hashes: HashSet<u64> = names.iter().map(|n| hashing.hash_one(n)).collect();
         assert_eq!(hashes.len(), names.len());
-        let map: HashMap<&str, usize, NameHashing> = names
+        let map: HashMap<&str, usize, TrustedHashing> = names
             .iter()
             .enumerate()
             .map(|(at, n)| (n.as_str(), at))
@@ -102,5 +143,27 @@ mod tests {
         for (at, name) in names.iter().enumerate() {
             assert_eq!(map[name.as_str()], at);
         }
+    }
+
+    #[test]
+    fn message_positions_hash_apart_and_a_set_finds_each() {
+        use std::hash::BuildHasher;
+        // (partition, ledger, entry, batch index), as the Pulsar transport
+        // keys them: neighbours differ in one field by one.
+        let positions: Vec<(i32, u64, u64, Option<i32>)> = (-1..3)
+            .flat_map(|partition| (0..4).map(move |ledger| (partition, ledger)))
+            .flat_map(|(partition, ledger)| (0..50).map(move |entry| (partition, ledger, entry)))
+            .flat_map(|(partition, ledger, entry)| {
+                [None, Some(0), Some(1), Some(-1)]
+                    .map(|batch_index| (partition, ledger, entry, batch_index))
+            })
+            .collect();
+        let hashing = TrustedHashing::default();
+        let hashes: HashSet<u64> = positions.iter().map(|p| hashing.hash_one(p)).collect();
+        assert_eq!(hashes.len(), positions.len());
+        let set: HashSet<_, TrustedHashing> = positions.iter().copied().collect();
+        assert_eq!(set.len(), positions.len());
+        assert!(positions.iter().all(|p| set.contains(p)));
+        assert!(!set.contains(&(0, 0, 50, None)));
     }
 }

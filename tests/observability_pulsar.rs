@@ -18,7 +18,9 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use common::{pulsar_url, run_local, start, unique_name, unique_topic, wait_for_stats};
+use common::{
+    close_and_join, pulsar_url, run_local, start, unique_name, unique_topic, wait_for_stats,
+};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use pulsar_dispatcher::{Dispatcher, ErrorClass, Message, SubType, SubscribeOptions};
 use tokio::net::TcpListener;
@@ -335,8 +337,7 @@ fn scraped_counters_match_the_outcomes_of_every_message() {
             .map(|s| s.value);
         assert_eq!(permits, Some(4.0), "every permit back once all is settled");
 
-        dispatcher.close().await;
-        run.await.expect("run task").expect("clean shutdown");
+        close_and_join(&dispatcher, run).await;
         let (status, _, body) = get(address, "/health").await;
         assert_eq!(status, 503, "not ready once closed: {body}");
         let closed: serde_json::Value = serde_json::from_str(&body).expect("health JSON");

@@ -18,7 +18,7 @@ use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
 use super::{Consumer, ConsumerSpec, OutgoingMessage, Producer, Transport, TransportError};
-use crate::hash::NameHashing;
+use crate::hash::TrustedHashing;
 use crate::message::{Message, MessageId, Metadata};
 use crate::topic::full_topic_name;
 
@@ -101,7 +101,7 @@ impl Record {
 struct Broker {
     /// By full name, and by every other spelling used so far.
     /// Hashed cheaply: a benchmark's producer looks a topic up per send.
-    topics: RefCell<HashMap<String, Rc<Topic>, NameHashing>>,
+    topics: RefCell<HashMap<String, Rc<Topic>, TrustedHashing>>,
     /// Full topic names, by the index records name them with.
     names: RefCell<Vec<Rc<str>>>,
     /// Every publish, ack and nack, in order.

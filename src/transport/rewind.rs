@@ -33,6 +33,7 @@ use pulsar::proto::MessageIdData;
 use tokio::time::{Instant, Sleep};
 
 use super::settlement::{entry_of, EntryKey};
+use crate::hash::TrustedHashing;
 use crate::message::MessageId;
 
 /// How long a consumer that nacked stays idle before it asks for one more
@@ -52,7 +53,7 @@ fn position(id: &MessageId) -> Position {
 /// partitions to rewind once more.
 pub(super) struct RewindCheck {
     /// Messages handed out and not settled yet.
-    unsettled: HashSet<Position>,
+    unsettled: HashSet<Position, TrustedHashing>,
     /// Per partition, a message nacked there since the last check (the
     /// broker rewinds the whole partition whichever id a request names).
     nacked: Vec<Option<MessageIdData>>,
@@ -71,7 +72,7 @@ pub(super) struct RewindCheck {
 impl RewindCheck {
     pub(super) fn new() -> Self {
         RewindCheck {
-            unsettled: HashSet::new(),
+            unsettled: HashSet::default(),
             nacked: Vec::new(),
             idle_since: Box::pin(tokio::time::sleep(IDLE_BEFORE_REWIND)),
             armed: false,

@@ -9,12 +9,13 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
+use crate::hash::TrustedHashing;
 use crate::message::MessageId;
 
 /// Settlements of batch members, held until their batch is complete.
 #[derive(Default)]
 pub(super) struct BatchSettlements {
-    by_entry: HashMap<(u64, u64, i32), BatchProgress>,
+    by_entry: HashMap<EntryKey, BatchProgress, TrustedHashing>,
 }
 
 struct BatchProgress {
@@ -38,7 +39,7 @@ impl BatchSettlements {
         if size <= 1 || index >= size {
             return Some(succeeded);
         }
-        let entry = (id.ledger_id(), id.entry_id(), id.partition());
+        let entry = entry_of(id);
         let progress = self.by_entry.entry(entry).or_insert_with(|| BatchProgress {
             settled: vec![false; size],
             all_succeeded: true,
@@ -76,7 +77,7 @@ pub(super) fn entry_of(id: &MessageId) -> EntryKey {
 /// as a duplicate.
 pub(super) struct RecentAcks {
     in_order: VecDeque<EntryKey>,
-    entries: HashSet<EntryKey>,
+    entries: HashSet<EntryKey, TrustedHashing>,
     capacity: usize,
     last_bulk_resend: Option<Instant>,
     /// Redeliveries of acked entries recognised so far.
@@ -90,7 +91,7 @@ impl RecentAcks {
     pub(super) fn new(capacity: usize) -> Self {
         RecentAcks {
             in_order: VecDeque::new(),
-            entries: HashSet::new(),
+            entries: HashSet::default(),
             capacity,
             last_bulk_resend: None,
             recognised: 0,
@@ -172,8 +173,8 @@ mod tests {
             "a repeat changes nothing"
         );
         assert_eq!(batches.settle(&member(7, 1, 3), true), Some(true));
-        assert!(batches.by_entry.contains_key(&(1, 8, -1)));
-        assert!(!batches.by_entry.contains_key(&(1, 7, -1)));
+        assert!(batches.by_entry.contains_key(&(-1, 1, 8)));
+        assert!(!batches.by_entry.contains_key(&(-1, 1, 7)));
     }
 
     #[test]
