@@ -34,8 +34,8 @@ use serde_json::{json, Map, Value};
 
 use super::support::{on_local, receive_into};
 use super::{
-    allocations, cpu_ns, emit, median, one_and_two, python, python_script, run_python, steady,
-    Sizes,
+    allocations, cpu_ns, emit, insert, median, one_and_two, python, python_script, run_python,
+    steady, Sizes,
 };
 
 pub fn pulsar_url() -> String {
@@ -608,7 +608,7 @@ pub fn run(sizes: &Sizes, report: &mut Map<String, Value>) {
     python_rates(python.as_deref(), url, sizes, &mut detail, report);
     latencies(python.as_deref(), url, sizes, report);
     per_core(url, sizes, &mut detail, report);
-    report.insert("e2e_msgs_per_s_detail".into(), Value::Object(detail));
+    insert(report, "e2e_msgs_per_s_detail", Value::Object(detail));
 }
 
 /// Ours, the plain loop, and with the large queue the transport loop and a
@@ -698,50 +698,51 @@ fn rates(
             "transport_cpu_us_q1000".into(),
             json!(transport.cpu_us_per_msg),
         );
-        report.insert("e2e_msgs_per_s".into(), json!(ours.msgs_per_s));
-        report.insert("e2e_raw_msgs_per_s".into(), json!(raw.msgs_per_s));
-        report.insert(
-            "e2e_transport_msgs_per_s".into(),
-            json!(transport.msgs_per_s),
+        insert(report, "e2e_msgs_per_s", ours.msgs_per_s);
+        insert(report, "e2e_raw_msgs_per_s", raw.msgs_per_s);
+        insert(report, "e2e_transport_msgs_per_s", transport.msgs_per_s);
+        insert(report, "e2e_vs_raw", ours.msgs_per_s / raw.msgs_per_s);
+        insert(report, "e2e_cpu_us_per_msg", ours.cpu_us_per_msg);
+        insert(report, "e2e_raw_cpu_us_per_msg", raw.cpu_us_per_msg);
+        insert(
+            report,
+            "e2e_transport_cpu_us_per_msg",
+            transport.cpu_us_per_msg,
         );
-        report.insert("e2e_vs_raw".into(), json!(ours.msgs_per_s / raw.msgs_per_s));
-        report.insert("e2e_cpu_us_per_msg".into(), json!(ours.cpu_us_per_msg));
-        report.insert("e2e_raw_cpu_us_per_msg".into(), json!(raw.cpu_us_per_msg));
-        report.insert(
-            "e2e_transport_cpu_us_per_msg".into(),
-            json!(transport.cpu_us_per_msg),
-        );
-        report.insert(
-            "e2e_cpu_vs_raw".into(),
-            json!(ours.cpu_us_per_msg / raw.cpu_us_per_msg),
+        insert(
+            report,
+            "e2e_cpu_vs_raw",
+            ours.cpu_us_per_msg / raw.cpu_us_per_msg,
         );
         let cumulative = medians(&cumulative);
-        report.insert(
-            "e2e_raw_cumulative_cpu_us_per_msg".into(),
-            json!(cumulative.cpu_us_per_msg),
+        insert(
+            report,
+            "e2e_raw_cumulative_cpu_us_per_msg",
+            cumulative.cpu_us_per_msg,
         );
-        report.insert(
-            "e2e_cpu_vs_raw_cumulative".into(),
-            json!(ours.cpu_us_per_msg / cumulative.cpu_us_per_msg),
+        insert(
+            report,
+            "e2e_cpu_vs_raw_cumulative",
+            ours.cpu_us_per_msg / cumulative.cpu_us_per_msg,
         );
-        report.insert("e2e_allocs_per_msg".into(), json!(ours.allocs_per_msg));
-        report.insert("e2e_raw_allocs_per_msg".into(), json!(raw.allocs_per_msg));
-        report.insert(
-            "e2e_transport_allocs_per_msg".into(),
-            json!(transport.allocs_per_msg),
+        insert(report, "e2e_allocs_per_msg", ours.allocs_per_msg);
+        insert(report, "e2e_raw_allocs_per_msg", raw.allocs_per_msg);
+        insert(
+            report,
+            "e2e_transport_allocs_per_msg",
+            transport.allocs_per_msg,
         );
-        report.insert(
-            "pulsar_transport_allocs_per_msg".into(),
-            json!(transport.allocs_per_msg - raw.allocs_per_msg),
+        insert(
+            report,
+            "pulsar_transport_allocs_per_msg",
+            transport.allocs_per_msg - raw.allocs_per_msg,
         );
     } else {
-        report.insert(
-            "e2e_q1_vs_raw".into(),
-            json!(ours.msgs_per_s / raw.msgs_per_s),
-        );
-        report.insert(
-            "e2e_q1_cpu_vs_raw".into(),
-            json!(ours.cpu_us_per_msg / raw.cpu_us_per_msg),
+        insert(report, "e2e_q1_vs_raw", ours.msgs_per_s / raw.msgs_per_s);
+        insert(
+            report,
+            "e2e_q1_cpu_vs_raw",
+            ours.cpu_us_per_msg / raw.cpu_us_per_msg,
         );
     }
 }
@@ -788,11 +789,8 @@ fn python_rates(
                 );
                 detail.insert(format!("python_runs_q{receiver_queue}"), json!(runs.len()));
                 if receiver_queue == 1000 {
-                    report.insert("e2e_python_msgs_per_s".into(), json!(rate.msgs_per_s));
-                    report.insert(
-                        "e2e_python_cpu_us_per_msg".into(),
-                        json!(rate.cpu_us_per_msg),
-                    );
+                    insert(report, "e2e_python_msgs_per_s", rate.msgs_per_s);
+                    insert(report, "e2e_python_cpu_us_per_msg", rate.cpu_us_per_msg);
                 }
             }
         }
@@ -835,16 +833,16 @@ fn latencies(
         latencies.insert(bench.into(), super::percentiles_json(&p));
     }
     let us = |ns: u64| ns as f64 / 1e3;
-    report.insert("e2e_latency_p50_us".into(), json!(us(ours.p50)));
-    report.insert("e2e_latency_p99_us".into(), json!(us(ours.p99)));
-    report.insert("e2e_raw_latency_p50_us".into(), json!(us(raw.p50)));
-    report.insert("e2e_raw_latency_p99_us".into(), json!(us(raw.p99)));
+    insert(report, "e2e_latency_p50_us", us(ours.p50));
+    insert(report, "e2e_latency_p99_us", us(ours.p99));
+    insert(report, "e2e_raw_latency_p50_us", us(raw.p50));
+    insert(report, "e2e_raw_latency_p99_us", us(raw.p99));
     if let Some(p) = python_latency {
-        report.insert("e2e_python_latency_p50_us".into(), json!(us(p.p50)));
-        report.insert("e2e_python_latency_p99_us".into(), json!(us(p.p99)));
+        insert(report, "e2e_python_latency_p50_us", us(p.p50));
+        insert(report, "e2e_python_latency_p99_us", us(p.p99));
     }
     latencies.insert("msgs_per_s".into(), json!(LATENCY_RATE));
-    report.insert("e2e_latency".into(), Value::Object(latencies));
+    insert(report, "e2e_latency", Value::Object(latencies));
 }
 
 /// One dispatcher per core on the broker, 1 against 2.
@@ -873,7 +871,7 @@ fn per_core(
     }
     detail.insert("per_core_1".into(), json!(one));
     detail.insert("per_core_2".into(), json!(two));
-    report.insert("per_core_2_vs_1".into(), json!(two / one));
+    insert(report, "per_core_2_vs_1", two / one);
 }
 
 /// The broker's `--profile` targets; `None` if `what` is not one of them.

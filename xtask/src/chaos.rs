@@ -930,7 +930,7 @@ impl Ctx<'_> {
         let dlq_file = self.dir.join("dead-letters.txt");
         let expected_dead = produced
             .values()
-            .filter(|o| matches!(o.as_str(), "fatal" | "retry-dlq"))
+            .filter(|outcome| meant_for_dead_letters(outcome))
             .count();
         let mut drain = Command::new(self.binary);
         drain
@@ -945,17 +945,22 @@ impl Ctx<'_> {
         read_dead_letters(&dlq_file)
     }
 
-    fn run_to_end(&self, cmd: &mut Command, what: &str, limit: Duration) -> Result<(), String> {
-        let stderr_path = self.dir.join(format!("{what}.stderr"));
-        let stderr = fs::File::create(&stderr_path)
-            .map_err(|e| format!("{}: {e}", stderr_path.display()))?;
+    /// Starts `cmd` with its standard error written to `stderr_path` (and
+    /// backtraces on), its other streams closed.
+    fn spawn(&self, cmd: &mut Command, stderr_path: &Path) -> Result<Child, String> {
+        let stderr =
+            fs::File::create(stderr_path).map_err(|e| format!("{}: {e}", stderr_path.display()))?;
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
-            .env("RUST_BACKTRACE", "1");
-        let mut child = cmd
+            .env("RUST_BACKTRACE", "1")
             .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", self.binary.display()))?;
+            .map_err(|e| format!("cannot run {}: {e}", self.binary.display()))
+    }
+
+    fn run_to_end(&self, cmd: &mut Command, what: &str, limit: Duration) -> Result<(), String> {
+        let stderr_path = self.dir.join(format!("{what}.stderr"));
+        let mut child = self.spawn(cmd, &stderr_path)?;
         let begun = Instant::now();
         loop {
             if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
@@ -987,9 +992,6 @@ impl Ctx<'_> {
         extra: &[(&str, String)],
     ) -> Result<WorkerRun, String> {
         let log = self.dir.join(format!("worker-{index}.log"));
-        let stderr_path = self.dir.join(format!("worker-{index}.stderr"));
-        let stderr = fs::File::create(&stderr_path)
-            .map_err(|e| format!("{}: {e}", stderr_path.display()))?;
         let mut cmd = Command::new(self.binary);
         cmd.arg("work")
             .args(["--url", &self.addr.service_url])
@@ -1016,13 +1018,7 @@ impl Ctx<'_> {
         for (key, value) in extra {
             cmd.arg(format!("--{key}")).arg(value);
         }
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .env("RUST_BACKTRACE", "1");
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", self.binary.display()))?;
+        let child = self.spawn(&mut cmd, &self.dir.join(format!("worker-{index}.stderr")))?;
         Ok(WorkerRun {
             index,
             pid: child.id(),
@@ -1305,6 +1301,12 @@ impl<'a> Tally<'a> {
     }
 }
 
+/// Whether a message produced with `outcome` should end in a dead letter
+/// topic rather than handled.
+fn meant_for_dead_letters(outcome: &str) -> bool {
+    matches!(outcome, "fatal" | "retry-dlq")
+}
+
 /// The handled or dead-lettered ids that ended against their outcome, as
 /// `id (outcome: where)`.
 fn misplaced(
@@ -1316,9 +1318,10 @@ fn misplaced(
     for (id, outcome) in produced {
         let ok = handlings.contains_key(id);
         let dead_lettered = dead.contains_key(id);
-        let right = match outcome.as_str() {
-            "fatal" | "retry-dlq" => dead_lettered && !ok,
-            _ => ok && !dead_lettered,
+        let right = if meant_for_dead_letters(outcome) {
+            dead_lettered && !ok
+        } else {
+            ok && !dead_lettered
         };
         if !right && (ok || dead_lettered) {
             wrong.push(format!(
