@@ -548,6 +548,7 @@ mod tests {
     use crate::backoff::default_backoff;
     use crate::message::MessageId;
     use crate::outcome::HandlerError;
+    use crate::tests::run_local;
     use crate::transport::MemoryTransport;
 
     fn message(properties: &[(&str, &str)]) -> Message {
@@ -752,14 +753,6 @@ mod tests {
             Some("persistent://public/default/retry-sub-DLQ"),
             "a malformed name is not trusted"
         );
-    }
-
-    fn run_local<F: std::future::Future>(test: F) -> F::Output {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        tokio::task::LocalSet::new().block_on(&runtime, test)
     }
 
     #[test]

@@ -13,7 +13,10 @@ use tokio::task::{spawn_local, yield_now, LocalSet};
 use crate::transport::MemoryTransport;
 use crate::{Dispatcher, Error, Message, SubscribeOptions};
 
-fn run_local<F: Future>(test: F) -> F::Output {
+/// Runs `test` on a `LocalSet` of a fresh `current_thread` runtime: the
+/// setup of every unit test that drives tasks (the engine's and routing's
+/// own tests use it too).
+pub(crate) fn run_local<F: Future>(test: F) -> F::Output {
     on_local_set(false, test)
 }
 

@@ -610,19 +610,10 @@ impl<T: Transport> Engine<T> {
 mod tests {
     use std::convert::Infallible;
 
-    use std::future::Future;
-
     use super::*;
     use crate::options::SubscribeOptions;
+    use crate::tests::run_local;
     use crate::transport::MemoryTransport;
-
-    fn run_local<F: Future>(test: F) -> F::Output {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        tokio::task::LocalSet::new().block_on(&runtime, test)
-    }
 
     /// Slots are refilled only while running and in the same step as the
     /// consumer is polled, so this path is a safety net: a message that
