@@ -200,7 +200,20 @@ async fn publish(url: &str, total: usize) -> Result<(), pulsar::Error> {
         .await?;
     let mut producers = Vec::new();
     for (topic, _) in &TOPICS[..2] {
-        producers.push(client.producer().with_topic(*topic).build().await?);
+        // All the sends are queued before any receipt is awaited: wait for
+        // room in the client's queue (100 per connection) instead of failing.
+        let options = pulsar::ProducerOptions {
+            block_queue_if_full: true,
+            ..Default::default()
+        };
+        producers.push(
+            client
+                .producer()
+                .with_topic(*topic)
+                .with_options(options)
+                .build()
+                .await?,
+        );
     }
     let mut receipts = Vec::new();
     for n in 1..=total {

@@ -173,7 +173,20 @@ async fn publish_backlog(url: &str, total: usize) -> Result<u32, pulsar::Error> 
     let backlog = &COLUMNS[..4];
     let mut producers = Vec::new();
     for (_, topic, _) in backlog {
-        producers.push(client.producer().with_topic(*topic).build().await?);
+        // All the sends are queued before any receipt is awaited: wait for
+        // room in the client's queue (100 per connection) instead of failing.
+        let options = pulsar::ProducerOptions {
+            block_queue_if_full: true,
+            ..Default::default()
+        };
+        producers.push(
+            client
+                .producer()
+                .with_topic(*topic)
+                .with_options(options)
+                .build()
+                .await?,
+        );
     }
     let mut receipts = Vec::new();
     for n in 0..total {

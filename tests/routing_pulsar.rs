@@ -8,6 +8,7 @@ on_plain_and_partitioned_topics!(
     a_fatal_error_lands_in_the_dead_letter_topic_intact,
     retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic,
     a_reply_is_published_before_the_original_is_acked,
+    a_burst_of_replies_larger_than_the_clients_send_queue_is_all_published,
     a_topic_family_subscribes_the_documented_topics_and_priorities,
     a_retried_message_carries_the_java_retry_letter_properties_for_python,
 );
@@ -253,6 +254,71 @@ fn a_reply_is_published_before_the_original_is_acked(kind: TopicKind) {
         assert_eq!(reply.payload.data, b"thumb:cat.png");
         let acked = wait_for_empty_backlog(&topic, &subscription).await;
         assert_eq!(acked.msg_backlog, 0);
+        close_and_join(&dispatcher, run).await;
+    });
+}
+
+/// The `pulsar` crate queues at most 100 sends per connection and, unless
+/// told to wait, fails the next one at once. Three hundred handlers
+/// replying in the same turn of the thread must all be published, none
+/// failed and nacked.
+fn a_burst_of_replies_larger_than_the_clients_send_queue_is_all_published(kind: TopicKind) {
+    run_local(Duration::from_secs(90), async {
+        let topic = fresh_topic("burst", kind);
+        let reply_topic = fresh_topic("burst-replies", kind);
+        let subscription = unique_name("burst");
+        let total = 300;
+        let mut replies = reader(&reply_topic).await;
+        common::publish(
+            &topic,
+            (0..total).map(|n| pulsar::producer::Message {
+                payload: n.to_string().into_bytes(),
+                ..Default::default()
+            }),
+        )
+        .await;
+        let dispatcher = Rc::new(
+            Dispatcher::builder()
+                .concurrency(total)
+                .connect(&pulsar_url())
+                .await
+                .unwrap(),
+        );
+        dispatcher
+            .subscribe(
+                &topic,
+                async |message: &Message| {
+                    Ok::<_, std::convert::Infallible>(message.payload().to_vec())
+                },
+                shared(&subscription)
+                    .reply_topic(&reply_topic)
+                    .receiver_queue_size(total as u32),
+            )
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        let mut replied = std::collections::BTreeSet::new();
+        while replied.len() < total {
+            let Ok(reply) = tokio::time::timeout(Duration::from_secs(20), replies.next()).await
+            else {
+                panic!(
+                    "{} of {total} replies, then none for 20 s: {:?}",
+                    replied.len(),
+                    dispatcher.stats().total()
+                );
+            };
+            let reply = reply.unwrap().unwrap();
+            replies.ack(&reply).await.unwrap();
+            replied.insert(String::from_utf8(reply.payload.data).unwrap());
+        }
+        assert_eq!(replied, (0..total).map(|n| n.to_string()).collect());
+        wait_for_empty_backlog(&topic, &subscription).await;
+        let stats = dispatcher.stats().total();
+        assert_eq!(
+            (stats.replied, stats.acked, stats.nacked),
+            (total as u64, total as u64, 0),
+            "{stats:?}"
+        );
         close_and_join(&dispatcher, run).await;
     });
 }

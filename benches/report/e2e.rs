@@ -142,9 +142,15 @@ fn produce_at_rate(
                 .build()
                 .await
                 .expect("connecting to the broker");
+            // Up to 256 sends in flight, more than the crate queues per
+            // connection: a send waits for room rather than failing.
             let mut producer = client
                 .producer()
                 .with_topic(&topic)
+                .with_options(pulsar::ProducerOptions {
+                    block_queue_if_full: true,
+                    ..Default::default()
+                })
                 .build()
                 .await
                 .expect("creating a producer");

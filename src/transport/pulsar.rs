@@ -125,7 +125,22 @@ impl Transport for PulsarTransport {
 
     async fn create_producer(&self, topic: &str) -> Result<PulsarProducer, TransportError> {
         let client = self.open_client()?;
-        let producer = Box::pin(client.producer().with_topic(topic).build()).await?;
+        // The crate queues at most `outbound_channel_size` (100) sends per
+        // connection and by default fails the next one at once; every
+        // handler of a burst may publish in the same turn of the thread, so
+        // a send waits for room instead of failing (and nacking) its message.
+        let options = pulsar::ProducerOptions {
+            block_queue_if_full: true,
+            ..Default::default()
+        };
+        let producer = Box::pin(
+            client
+                .producer()
+                .with_topic(topic)
+                .with_options(options)
+                .build(),
+        )
+        .await?;
         if let Ok(broker) = client.lookup_topic(topic).await {
             self.brokers
                 .add(broker.url.host_str(), broker.url.port())
