@@ -452,6 +452,13 @@ fn e2e_per_core(url: &str, cores: usize, messages: usize, receiver_queue: u32) -
     (messages - warmup) as f64 / (end - start).as_secs_f64()
 }
 
+/// How long a fixed-rate run may take to receive all of its `messages`:
+/// their publishing time and a minute. A run past it fails instead of
+/// waiting for messages a failed producer never sent.
+fn arrival_limit(messages: usize) -> Duration {
+    Duration::from_secs_f64(messages as f64 / LATENCY_RATE) + Duration::from_secs(60)
+}
+
 /// Ours, publish to handler start: the dispatcher subscribes, then the
 /// producer starts at [`LATENCY_RATE`].
 async fn latency_ours(url: &str, messages: usize) -> Vec<u64> {
@@ -482,7 +489,11 @@ async fn latency_ours(url: &str, messages: usize) -> Vec<u64> {
     let producer = produce_at_rate(url.into(), topic, messages, LATENCY_RATE);
     let closer = dispatcher.close_handle();
     let finish = async {
-        done.notified().await;
+        let arrived = tokio::time::timeout(arrival_limit(messages), done.notified()).await;
+        if arrived.is_err() {
+            let count = ages.borrow().len();
+            panic!("{count} of {messages} messages arrived (did the producer fail?)");
+        }
         closer.close().await;
     };
     let (result, ()) = tokio::join!(dispatcher.run(), finish);
@@ -499,10 +510,14 @@ async fn latency_raw(url: &str, messages: usize) -> Vec<u64> {
     let mut consumer = raw_consumer(url, &topic, 1000).await;
     let producer = produce_at_rate(url.into(), topic, messages, LATENCY_RATE);
     let mut ages = Vec::with_capacity(messages);
+    let deadline = tokio::time::Instant::now() + arrival_limit(messages);
     for _ in 0..messages {
-        let message = consumer
-            .next()
+        let message = tokio::time::timeout_at(deadline, consumer.next())
             .await
+            .unwrap_or_else(|_| {
+                let count = ages.len();
+                panic!("{count} of {messages} messages arrived (did the producer fail?)")
+            })
             .expect("the stream goes on")
             .expect("a message");
         ages.push(age_of(&message.payload.data));
