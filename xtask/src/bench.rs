@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use crate::broker::{self, BrokerAddr};
-use crate::{cargo, info, run_status, setup, Paths};
+use crate::{cargo, info, run_status, run_with_deadline, setup, Paths, BENCH_DEADLINE};
 
 pub fn cmd_bench(paths: &Paths, args: &[String]) -> Result<(), String> {
     let mut quick = false;
@@ -55,8 +55,10 @@ pub fn cmd_bench(paths: &Paths, args: &[String]) -> Result<(), String> {
         if quick { " with fewer samples" } else { "" }
     ));
     let mut failures = Vec::new();
-    if !run_status(&mut run)?.success() {
-        failures.push("cargo bench --bench report".to_string());
+    match run_with_deadline(&mut run, BENCH_DEADLINE) {
+        Ok(status) if status.success() => {}
+        Ok(_) => failures.push("cargo bench --bench report".to_string()),
+        Err(e) => failures.push(e),
     }
 
     if criterion && failures.is_empty() {

@@ -57,14 +57,43 @@ environment:
   PULSAR_START_TIMEOUT_SECS  how long `broker start` waits for the broker (default 180)
   PULSAR_JAVA_OPTS           extra JVM options for the broker
   XTASK_TEST_TIMEOUT_SECS    limit for each `cargo test` run of `cargo xtask test` (default 2400)
+  XTASK_BENCH_TIMEOUT_SECS   limit for the comparison run of `cargo xtask bench` (default 3600)
   JAVA_HOME                  Java 17+ to run the broker with (default: `java` on PATH)
   XTASK_BROKER_DIR           where a broker xtask starts keeps its pid file, log, data and
                              config (default target/), e.g. for a second broker on other ports
 ";
 
-/// Upper bound for one `cargo test` run (build included), so that a hung
-/// test fails CI with a message instead of eating its whole time budget.
-const DEFAULT_TEST_TIMEOUT_SECS: u64 = 40 * 60;
+/// How long a long-running command may take, build included, so that a
+/// hung test or benchmark fails with a message instead of eating its
+/// whole time budget: a default, overridden by an environment variable.
+#[derive(Clone, Copy)]
+pub struct Deadline {
+    variable: &'static str,
+    default_secs: u64,
+}
+
+/// For each `cargo test` run of `cargo xtask test`.
+const TEST_DEADLINE: Deadline = Deadline {
+    variable: "XTASK_TEST_TIMEOUT_SECS",
+    default_secs: 40 * 60,
+};
+
+/// For the comparison run of `cargo xtask bench` (a cold build of the
+/// benchmarks takes about 10 minutes of it).
+pub const BENCH_DEADLINE: Deadline = Deadline {
+    variable: "XTASK_BENCH_TIMEOUT_SECS",
+    default_secs: 60 * 60,
+};
+
+impl Deadline {
+    fn limit(self) -> Duration {
+        let secs = std::env::var(self.variable)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(self.default_secs);
+        Duration::from_secs(secs)
+    }
+}
 
 /// Paths of the workspace that xtask reads and writes.
 pub struct Paths {
@@ -133,10 +162,11 @@ pub fn run_checked(cmd: &mut Command) -> Result<(), String> {
     }
 }
 
-/// Runs a command with inherited stdio; if it has not finished after `limit`,
-/// terminates it and every process below it (a hung test binary included)
-/// and reports that as an error.
-fn run_with_deadline(cmd: &mut Command, limit: Duration) -> Result<ExitStatus, String> {
+/// Runs a command with inherited stdio; if it has not finished by its
+/// deadline, terminates it and every process below it (a hung test binary
+/// included) and reports that as an error.
+pub fn run_with_deadline(cmd: &mut Command, deadline: Deadline) -> Result<ExitStatus, String> {
+    let limit = deadline.limit();
     let what = describe(cmd);
     let mut child = cmd
         .spawn()
@@ -148,8 +178,9 @@ fn run_with_deadline(cmd: &mut Command, limit: Duration) -> Result<ExitStatus, S
         }
         if begun.elapsed() > limit {
             info(&format!(
-                "`{what}` did not finish within {} s (XTASK_TEST_TIMEOUT_SECS); terminating it",
-                limit.as_secs()
+                "`{what}` did not finish within {} s ({}); terminating it",
+                limit.as_secs(),
+                deadline.variable
             ));
             let mut pids = descendants(child.id());
             pids.push(child.id());
@@ -210,14 +241,6 @@ fn descendants(root: u32) -> Vec<u32> {
     }
     found.remove(0);
     found
-}
-
-fn test_timeout() -> Duration {
-    let secs = std::env::var("XTASK_TEST_TIMEOUT_SECS")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(DEFAULT_TEST_TIMEOUT_SECS);
-    Duration::from_secs(secs)
 }
 
 fn cargo() -> Command {
@@ -346,7 +369,7 @@ fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
     tests.current_dir(&paths.root).envs(env.clone());
     let what = describe(&tests);
     info(&format!("running {what}"));
-    match run_with_deadline(&mut tests, test_timeout()) {
+    match run_with_deadline(&mut tests, TEST_DEADLINE) {
         Ok(status) if status.success() => {}
         Ok(_) => failures.push(what),
         Err(e) => failures.push(e),
@@ -357,7 +380,7 @@ fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
             .current_dir(&paths.root)
             .envs(env);
         info("running cargo test --workspace --doc");
-        match run_with_deadline(&mut doc, test_timeout()) {
+        match run_with_deadline(&mut doc, TEST_DEADLINE) {
             Ok(status) if status.success() => {}
             Ok(_) => failures.push("cargo test --workspace --doc".to_string()),
             Err(e) => failures.push(e),
