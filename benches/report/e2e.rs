@@ -459,6 +459,10 @@ fn arrival_limit(messages: usize) -> Duration {
     Duration::from_secs_f64(messages as f64 / LATENCY_RATE) + Duration::from_secs(60)
 }
 
+fn too_few_arrived(count: usize, messages: usize) -> ! {
+    panic!("{count} of {messages} messages arrived in time (did the producer fail?)")
+}
+
 /// Ours, publish to handler start: the dispatcher subscribes, then the
 /// producer starts at [`LATENCY_RATE`].
 async fn latency_ours(url: &str, messages: usize) -> Vec<u64> {
@@ -491,8 +495,7 @@ async fn latency_ours(url: &str, messages: usize) -> Vec<u64> {
     let finish = async {
         let arrived = tokio::time::timeout(arrival_limit(messages), done.notified()).await;
         if arrived.is_err() {
-            let count = ages.borrow().len();
-            panic!("{count} of {messages} messages arrived (did the producer fail?)");
+            too_few_arrived(ages.borrow().len(), messages);
         }
         closer.close().await;
     };
@@ -514,10 +517,7 @@ async fn latency_raw(url: &str, messages: usize) -> Vec<u64> {
     for _ in 0..messages {
         let message = tokio::time::timeout_at(deadline, consumer.next())
             .await
-            .unwrap_or_else(|_| {
-                let count = ages.len();
-                panic!("{count} of {messages} messages arrived (did the producer fail?)")
-            })
+            .unwrap_or_else(|_| too_few_arrived(ages.len(), messages))
             .expect("the stream goes on")
             .expect("a message");
         ages.push(age_of(&message.payload.data));
