@@ -747,10 +747,9 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
         );
         let port = steady(&mt_port::open_loop(mt_runtime, interval, sizes.latency));
         let_workers_park();
-        let rounds = sizes.repeats;
         for (bench, p, rounds) in [
-            ("ours", &ours, rounds),
-            ("plain_loop", &plain, rounds),
+            ("ours", &ours, sizes.repeats),
+            ("plain_loop", &plain, sizes.repeats),
             ("mt_port", &port, 1),
         ] {
             emit(

@@ -299,16 +299,7 @@ fn a_burst_of_replies_larger_than_the_clients_send_queue_is_all_published(kind: 
         let run = start(&dispatcher);
         let mut replied = std::collections::BTreeSet::new();
         while replied.len() < total {
-            let Ok(reply) = tokio::time::timeout(Duration::from_secs(20), replies.next()).await
-            else {
-                panic!(
-                    "{} of {total} replies, then none for 20 s: {:?}",
-                    replied.len(),
-                    dispatcher.stats().total()
-                );
-            };
-            let reply = reply.unwrap().unwrap();
-            replies.ack(&reply).await.unwrap();
+            let reply = next_message(&mut replies, "reply").await;
             replied.insert(String::from_utf8(reply.payload.data).unwrap());
         }
         assert_eq!(replied, (0..total).map(|n| n.to_string()).collect());

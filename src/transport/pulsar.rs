@@ -405,13 +405,14 @@ impl Consumer for PulsarConsumer {
     }
 
     fn repairs(&self) -> Repairs {
+        let (rewinds_repeated, dropped_in_flight) =
+            self.rewinds.as_ref().map_or((0, 0), |rewinds| {
+                (rewinds.repeated, rewinds.dropped_in_flight)
+            });
         Repairs {
             redelivered_after_ack: self.recent_acks.recognised,
-            rewinds_repeated: self.rewinds.as_ref().map_or(0, |rewinds| rewinds.repeated),
-            dropped_in_flight: self
-                .rewinds
-                .as_ref()
-                .map_or(0, |rewinds| rewinds.dropped_in_flight),
+            rewinds_repeated,
+            dropped_in_flight,
         }
     }
 }
