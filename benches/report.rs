@@ -915,292 +915,85 @@ struct Row {
     met: Option<bool>,
 }
 
-fn print_table(report: &Map<String, Value>) {
-    let number = |key: &str| report.get(key).and_then(Value::as_f64);
-    let show = |value: Option<f64>, unit: &str| match value {
+impl Row {
+    /// A row with a target, and whether it is met.
+    fn judged(
+        name: &'static str,
+        figure: String,
+        comparison: String,
+        target: &'static str,
+        met: Option<bool>,
+    ) -> Row {
+        Row {
+            name,
+            figure,
+            comparison,
+            target,
+            met,
+        }
+    }
+
+    /// A row shown for information, with no target.
+    fn shown(name: &'static str, figure: String, comparison: String) -> Row {
+        Row::judged(name, figure, comparison, "", None)
+    }
+
+    fn verdict(&self) -> &'static str {
+        match (self.met, self.target.is_empty()) {
+            (_, true) => "",
+            (Some(true), false) => "met",
+            (Some(false), false) => "MISSED",
+            (None, false) => "n/a",
+        }
+    }
+}
+
+/// The report's figures, as the table reads them: a figure is missing when
+/// its part of the run was skipped, and NaN when it could not be measured.
+struct Figures<'a>(&'a Map<String, Value>);
+
+impl Figures<'_> {
+    fn number(&self, key: &str) -> Option<f64> {
+        self.0.get(key).and_then(Value::as_f64)
+    }
+
+    /// The figure under `key`, right-aligned, with its unit.
+    fn show(&self, key: &str, unit: &str) -> String {
+        show(self.number(key), unit)
+    }
+
+    /// Whether the figure under `key` passes `test`; `None` if unmeasured.
+    fn check(&self, key: &str, test: fn(f64) -> bool) -> Option<bool> {
+        self.number(key).filter(|v| !v.is_nan()).map(test)
+    }
+
+    /// Whether the figures under `a` and `b` pass `test` together.
+    fn both(&self, a: &str, b: &str, test: fn(f64, f64) -> bool) -> Option<bool> {
+        self.number(a)
+            .zip(self.number(b))
+            .filter(|(a, b)| !a.is_nan() && !b.is_nan())
+            .map(|(a, b)| test(a, b))
+    }
+}
+
+fn show(value: Option<f64>, unit: &str) -> String {
+    match value {
         Some(v) if v.is_nan() => format!("{:>9} {unit}", "n/a"),
         Some(v) if v >= 100.0 => format!("{v:>9.0} {unit}"),
         Some(v) => format!("{v:>9.2} {unit}"),
         None => format!("{:>9} {unit}", "n/a"),
-    };
-    let check = |key: &str, test: fn(f64) -> bool| number(key).filter(|v| !v.is_nan()).map(test);
-    let both = |a: &str, b: &str, test: fn(f64, f64) -> bool| {
-        number(a)
-            .zip(number(b))
-            .filter(|(a, b)| !a.is_nan() && !b.is_nan())
-            .map(|(a, b)| test(a, b))
-    };
-    let idle = number("idle_latency_p50_ns");
-    let rows = vec![
-        Row {
-            name: "dispatch, K=1 C=20 (ours)",
-            figure: show(number("dispatch_ns_per_msg"), "ns/msg"),
-            comparison: format!("CPU {}", show(number("dispatch_cpu_ns_per_msg"), "ns/msg")),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "spawn_local floor, C=20",
-            figure: show(number("spawn_floor_ns_per_msg"), "ns/msg"),
-            comparison: format!("ours/floor {}", show(number("dispatch_vs_floor"), "x")),
-            target: "ours <= 1.3x",
-            met: check("dispatch_vs_floor", |r| r <= 1.3),
-        },
-        Row {
-            name: "plain loop (receive, handle, ack)",
-            figure: show(number("plain_loop_ns_per_msg"), "ns/msg"),
-            comparison: format!("ours/plain {}", show(number("dispatch_vs_plain_loop"), "x")),
-            target: "ours <= 1.5x",
-            met: check("dispatch_vs_plain_loop", |r| r <= 1.5),
-        },
-        Row {
-            name: "multi-threaded port, CPU",
-            figure: show(number("mt_port_cpu_ns_per_msg"), "ns/msg"),
-            comparison: format!(
-                "port/ours {} (wall {})",
-                show(number("mt_port_cpu_vs_dispatch"), "x"),
-                show(number("mt_port_vs_dispatch"), "x")
-            ),
-            target: ">= 8x ours",
-            met: check("mt_port_cpu_vs_dispatch", |r| r >= 8.0),
-        },
-        Row {
-            name: "Python original (fake), CPU",
-            figure: show(number("python_ref_cpu_ns_per_msg"), "ns/msg"),
-            comparison: format!(
-                "python/ours {} (wall {})",
-                show(number("python_ref_cpu_vs_dispatch"), "x"),
-                show(number("python_ref_vs_dispatch"), "x")
-            ),
-            target: ">= 100x ours",
-            met: check("python_ref_cpu_vs_dispatch", |r| r >= 100.0),
-        },
-        Row {
-            name: "allocations per message",
-            figure: show(number("allocs_per_msg"), "allocs"),
-            comparison: format!(
-                "floor {} plain {}",
-                show(number("floor_allocs_per_msg"), ""),
-                show(number("plain_loop_allocs_per_msg"), "")
-            ),
-            target: "< 0.01",
-            met: check("allocs_per_msg", |a| a < 0.01),
-        },
-        Row {
-            name: "1000 subs vs 1, 1 level",
-            figure: show(number("scaling_1000_vs_1"), "x"),
-            comparison: format!(
-                "plain loop {}, ours beyond it {}",
-                show(number("plain_loop_scaling_1000_vs_1"), "x").trim_start(),
-                show(number("scaling_1000_vs_1_beyond_plain_loop"), "x").trim_start()
-            ),
-            target: "<= 1.3x",
-            met: check("scaling_1000_vs_1", |r| r <= 1.3),
-        },
-        Row {
-            name: "1000 subs vs 1, 16 levels",
-            figure: show(number("scaling_1000_vs_1_16_levels"), "x"),
-            comparison: String::new(),
-            target: "<= 1.3x",
-            met: check("scaling_1000_vs_1_16_levels", |r| r <= 1.3),
-        },
-        Row {
-            name: "idle latency p50 (ours)",
-            figure: show(idle, "ns"),
-            comparison: format!("port {}", show(number("mt_port_idle_latency_p50_ns"), "ns")),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "latency at 50% load p50 / p99",
-            figure: show(number("latency_p50_ns_at_50pct"), "ns"),
-            comparison: format!(
-                "p99 {} port p99 {}",
-                show(number("latency_p99_ns_at_50pct"), "ns"),
-                show(number("mt_port_latency_p99_ns_at_50pct"), "ns")
-            ),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "latency at 80% load p99",
-            figure: show(number("latency_p99_ns_at_80pct"), "ns"),
-            comparison: format!(
-                "{} idle p50",
-                show(
-                    number("latency_p99_ns_at_80pct")
-                        .zip(idle)
-                        .map(|(p99, idle)| p99 / idle),
-                    "x"
-                )
-            ),
-            target: "<= 10x idle p50",
-            met: both(
-                "latency_p99_ns_at_80pct",
-                "idle_latency_p50_ns",
-                |p99, idle| p99 <= 10.0 * idle,
-            ),
-        },
-        Row {
-            name: "  plain loop at the same rate, p99",
-            figure: show(number("plain_loop_latency_p99_ns_at_80pct"), "ns"),
-            comparison: format!(
-                "machine stalls {}/s, p50 {}",
-                show(number("machine_stalls_per_s"), ""),
-                show(number("machine_stall_p50_ns"), "ns")
-            ),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "  port at the same rate, p99",
-            figure: show(number("mt_port_latency_p99_ns_at_80pct"), "ns"),
-            comparison: String::new(),
-            target: "ours below",
-            met: both(
-                "latency_p99_ns_at_80pct",
-                "mt_port_latency_p99_ns_at_80pct",
-                |ours, port| ours < port,
-            ),
-        },
-        Row {
-            name: "priority inversions",
-            figure: show(number("priority_inversions"), ""),
-            comparison: format!(
-                "excess wait p99 {}",
-                show(number("high_priority_excess_wait_p99_ns"), "ns")
-            ),
-            target: "0",
-            met: check("priority_inversions", |n| n == 0.0),
-        },
-        Row {
-            name: "per core in memory, 2 vs 1",
-            figure: show(number("per_core_mem_2_vs_1"), "x"),
-            comparison: String::new(),
-            target: ">= 1.8x",
-            met: check("per_core_mem_2_vs_1", |r| r >= 1.8),
-        },
-        Row {
-            name: "pick, strict / weighted / aging",
-            figure: show(number("pick_ns_strict"), "ns"),
-            comparison: format!(
-                "weighted {} aging {}",
-                show(number("pick_ns_weighted"), "ns"),
-                show(number("pick_ns_aging"), "ns")
-            ),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "weighted share max error",
-            figure: show(number("weighted_share_max_error"), ""),
-            comparison: format!(
-                "scheduler alone {}",
-                show(number("weighted_share_max_error_scheduler"), "")
-            ),
-            target: "<= 0.02",
-            met: check("weighted_share_max_error", |e| e <= 0.02),
-        },
-        Row {
-            name: "aging: lowest level's max wait",
-            figure: show(number("aging_lowest_max_wait_ms"), "ms"),
-            comparison: format!("bound {}", show(number("aging_bound_ms"), "ms")),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "key ordering",
-            figure: show(number("key_ordering_ns_per_msg"), "ns/msg"),
-            comparison: format!(
-                "vs unordered {}",
-                show(number("key_ordering_vs_unordered"), "x")
-            ),
-            target: "<= 1.2x",
-            met: check("key_ordering_vs_unordered", |r| r <= 1.2),
-        },
-        Row {
-            name: "Prometheus recorder installed",
-            figure: show(number("metrics_overhead"), "x"),
-            comparison: format!("allocs {}", show(number("metrics_allocs_per_msg"), "/msg")),
-            target: "<= 1.10x",
-            met: check("metrics_overhead", |r| r <= 1.10),
-        },
-        Row {
-            name: "info subscriber installed",
-            figure: show(number("tracing_overhead"), "x"),
-            comparison: String::new(),
-            target: "<= 1.05x",
-            met: check("tracing_overhead", |r| r <= 1.05),
-        },
-        Row {
-            name: "e2e client CPU, ours",
-            figure: show(number("e2e_cpu_us_per_msg"), "us/msg"),
-            comparison: format!(
-                "ours/plain {} (plain {})",
-                show(number("e2e_cpu_vs_raw"), "x"),
-                show(number("e2e_raw_cpu_us_per_msg"), "us")
-            ),
-            target: "<= 1.1x plain",
-            met: check("e2e_cpu_vs_raw", |r| r <= 1.1),
-        },
-        Row {
-            name: "  plain loop acking cumulatively",
-            figure: show(number("e2e_raw_cumulative_cpu_us_per_msg"), "us/msg"),
-            comparison: format!("ours/it {}", show(number("e2e_cpu_vs_raw_cumulative"), "x")),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "e2e rate, ours (queue 1000)",
-            figure: show(number("e2e_msgs_per_s"), "msg/s"),
-            comparison: format!(
-                "ours/plain {} python {}",
-                show(number("e2e_vs_raw"), "x"),
-                show(number("e2e_python_msgs_per_s"), "msg/s")
-            ),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "e2e client CPU, Python",
-            figure: show(number("e2e_python_cpu_us_per_msg"), "us/msg"),
-            comparison: format!(
-                "transport loop {}",
-                show(number("e2e_transport_cpu_us_per_msg"), "us")
-            ),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "e2e allocations per message",
-            figure: show(number("e2e_allocs_per_msg"), ""),
-            comparison: format!(
-                "transport adds {} plain {}",
-                show(number("pulsar_transport_allocs_per_msg"), ""),
-                show(number("e2e_raw_allocs_per_msg"), "")
-            ),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "e2e latency p50 / p99 (ours)",
-            figure: show(number("e2e_latency_p50_us"), "us"),
-            comparison: format!(
-                "p99 {} plain {} python {}",
-                show(number("e2e_latency_p99_us"), "us"),
-                show(number("e2e_raw_latency_p99_us"), "us"),
-                show(number("e2e_python_latency_p99_us"), "us")
-            ),
-            target: "",
-            met: None,
-        },
-        Row {
-            name: "e2e per core, 2 vs 1",
-            figure: show(number("per_core_2_vs_1"), "x"),
-            comparison: String::new(),
-            target: "",
-            met: None,
-        },
+    }
+}
+
+/// Prints the report as a table of figures, each beside its comparison and
+/// its target, in the order docs/benchmarks.md discusses them.
+fn print_table(report: &Map<String, Value>) {
+    let figures = Figures(report);
+    let sections = [
+        cost_rows(&figures),
+        latency_rows(&figures),
+        scheduling_rows(&figures),
+        broker_rows(&figures),
     ];
     println!();
     println!(
@@ -1208,19 +1001,284 @@ fn print_table(report: &Map<String, Value>) {
         "benchmark", "figure", "comparison", "target"
     );
     println!("{}", "-".repeat(118));
-    for row in rows {
-        let verdict = match (row.met, row.target.is_empty()) {
-            (_, true) => "",
-            (Some(true), false) => "met",
-            (Some(false), false) => "MISSED",
-            (None, false) => "n/a",
-        };
+    for row in sections.iter().flatten() {
         println!(
-            "{:<34} {:>16}  {:<40} {:<16} {verdict}",
-            row.name, row.figure, row.comparison, row.target
+            "{:<34} {:>16}  {:<40} {:<16} {}",
+            row.name,
+            row.figure,
+            row.comparison,
+            row.target,
+            row.verdict()
         );
     }
     println!();
+}
+
+/// In memory: the cost of a message against the baselines, allocations,
+/// and how the cost grows with the subscriptions.
+fn cost_rows(f: &Figures) -> Vec<Row> {
+    vec![
+        Row::shown(
+            "dispatch, K=1 C=20 (ours)",
+            f.show("dispatch_ns_per_msg", "ns/msg"),
+            format!("CPU {}", f.show("dispatch_cpu_ns_per_msg", "ns/msg")),
+        ),
+        Row::judged(
+            "spawn_local floor, C=20",
+            f.show("spawn_floor_ns_per_msg", "ns/msg"),
+            format!("ours/floor {}", f.show("dispatch_vs_floor", "x")),
+            "ours <= 1.3x",
+            f.check("dispatch_vs_floor", |r| r <= 1.3),
+        ),
+        Row::judged(
+            "plain loop (receive, handle, ack)",
+            f.show("plain_loop_ns_per_msg", "ns/msg"),
+            format!("ours/plain {}", f.show("dispatch_vs_plain_loop", "x")),
+            "ours <= 1.5x",
+            f.check("dispatch_vs_plain_loop", |r| r <= 1.5),
+        ),
+        Row::judged(
+            "multi-threaded port, CPU",
+            f.show("mt_port_cpu_ns_per_msg", "ns/msg"),
+            format!(
+                "port/ours {} (wall {})",
+                f.show("mt_port_cpu_vs_dispatch", "x"),
+                f.show("mt_port_vs_dispatch", "x")
+            ),
+            ">= 8x ours",
+            f.check("mt_port_cpu_vs_dispatch", |r| r >= 8.0),
+        ),
+        Row::judged(
+            "Python original (fake), CPU",
+            f.show("python_ref_cpu_ns_per_msg", "ns/msg"),
+            format!(
+                "python/ours {} (wall {})",
+                f.show("python_ref_cpu_vs_dispatch", "x"),
+                f.show("python_ref_vs_dispatch", "x")
+            ),
+            ">= 100x ours",
+            f.check("python_ref_cpu_vs_dispatch", |r| r >= 100.0),
+        ),
+        Row::judged(
+            "allocations per message",
+            f.show("allocs_per_msg", "allocs"),
+            format!(
+                "floor {} plain {}",
+                f.show("floor_allocs_per_msg", ""),
+                f.show("plain_loop_allocs_per_msg", "")
+            ),
+            "< 0.01",
+            f.check("allocs_per_msg", |a| a < 0.01),
+        ),
+        Row::judged(
+            "1000 subs vs 1, 1 level",
+            f.show("scaling_1000_vs_1", "x"),
+            format!(
+                "plain loop {}, ours beyond it {}",
+                f.show("plain_loop_scaling_1000_vs_1", "x").trim_start(),
+                f.show("scaling_1000_vs_1_beyond_plain_loop", "x")
+                    .trim_start()
+            ),
+            "<= 1.3x",
+            f.check("scaling_1000_vs_1", |r| r <= 1.3),
+        ),
+        Row::judged(
+            "1000 subs vs 1, 16 levels",
+            f.show("scaling_1000_vs_1_16_levels", "x"),
+            String::new(),
+            "<= 1.3x",
+            f.check("scaling_1000_vs_1_16_levels", |r| r <= 1.3),
+        ),
+    ]
+}
+
+/// In memory: latency idle and under open-loop load, priority inversions,
+/// and one dispatcher per core.
+fn latency_rows(f: &Figures) -> Vec<Row> {
+    let p99_over_idle = f
+        .number("latency_p99_ns_at_80pct")
+        .zip(f.number("idle_latency_p50_ns"))
+        .map(|(p99, idle)| p99 / idle);
+    vec![
+        Row::shown(
+            "idle latency p50 (ours)",
+            f.show("idle_latency_p50_ns", "ns"),
+            format!("port {}", f.show("mt_port_idle_latency_p50_ns", "ns")),
+        ),
+        Row::shown(
+            "latency at 50% load p50 / p99",
+            f.show("latency_p50_ns_at_50pct", "ns"),
+            format!(
+                "p99 {} port p99 {}",
+                f.show("latency_p99_ns_at_50pct", "ns"),
+                f.show("mt_port_latency_p99_ns_at_50pct", "ns")
+            ),
+        ),
+        Row::judged(
+            "latency at 80% load p99",
+            f.show("latency_p99_ns_at_80pct", "ns"),
+            format!("{} idle p50", show(p99_over_idle, "x")),
+            "<= 10x idle p50",
+            f.both(
+                "latency_p99_ns_at_80pct",
+                "idle_latency_p50_ns",
+                |p99, idle| p99 <= 10.0 * idle,
+            ),
+        ),
+        Row::shown(
+            "  plain loop at the same rate, p99",
+            f.show("plain_loop_latency_p99_ns_at_80pct", "ns"),
+            format!(
+                "machine stalls {}/s, p50 {}",
+                f.show("machine_stalls_per_s", ""),
+                f.show("machine_stall_p50_ns", "ns")
+            ),
+        ),
+        Row::judged(
+            "  port at the same rate, p99",
+            f.show("mt_port_latency_p99_ns_at_80pct", "ns"),
+            String::new(),
+            "ours below",
+            f.both(
+                "latency_p99_ns_at_80pct",
+                "mt_port_latency_p99_ns_at_80pct",
+                |ours, port| ours < port,
+            ),
+        ),
+        Row::judged(
+            "priority inversions",
+            f.show("priority_inversions", ""),
+            format!(
+                "excess wait p99 {}",
+                f.show("high_priority_excess_wait_p99_ns", "ns")
+            ),
+            "0",
+            f.check("priority_inversions", |n| n == 0.0),
+        ),
+        Row::judged(
+            "per core in memory, 2 vs 1",
+            f.show("per_core_mem_2_vs_1", "x"),
+            String::new(),
+            ">= 1.8x",
+            f.check("per_core_mem_2_vs_1", |r| r >= 1.8),
+        ),
+    ]
+}
+
+/// In memory: the scheduling policies, key ordering and the cost of
+/// observing the dispatcher.
+fn scheduling_rows(f: &Figures) -> Vec<Row> {
+    vec![
+        Row::shown(
+            "pick, strict / weighted / aging",
+            f.show("pick_ns_strict", "ns"),
+            format!(
+                "weighted {} aging {}",
+                f.show("pick_ns_weighted", "ns"),
+                f.show("pick_ns_aging", "ns")
+            ),
+        ),
+        Row::judged(
+            "weighted share max error",
+            f.show("weighted_share_max_error", ""),
+            format!(
+                "scheduler alone {}",
+                f.show("weighted_share_max_error_scheduler", "")
+            ),
+            "<= 0.02",
+            f.check("weighted_share_max_error", |e| e <= 0.02),
+        ),
+        Row::shown(
+            "aging: lowest level's max wait",
+            f.show("aging_lowest_max_wait_ms", "ms"),
+            format!("bound {}", f.show("aging_bound_ms", "ms")),
+        ),
+        Row::judged(
+            "key ordering",
+            f.show("key_ordering_ns_per_msg", "ns/msg"),
+            format!("vs unordered {}", f.show("key_ordering_vs_unordered", "x")),
+            "<= 1.2x",
+            f.check("key_ordering_vs_unordered", |r| r <= 1.2),
+        ),
+        Row::judged(
+            "Prometheus recorder installed",
+            f.show("metrics_overhead", "x"),
+            format!("allocs {}", f.show("metrics_allocs_per_msg", "/msg")),
+            "<= 1.10x",
+            f.check("metrics_overhead", |r| r <= 1.10),
+        ),
+        Row::judged(
+            "info subscriber installed",
+            f.show("tracing_overhead", "x"),
+            String::new(),
+            "<= 1.05x",
+            f.check("tracing_overhead", |r| r <= 1.05),
+        ),
+    ]
+}
+
+/// On the broker: client CPU, rates, allocations and latency against the
+/// plain `pulsar` loop and the Python original.
+fn broker_rows(f: &Figures) -> Vec<Row> {
+    vec![
+        Row::judged(
+            "e2e client CPU, ours",
+            f.show("e2e_cpu_us_per_msg", "us/msg"),
+            format!(
+                "ours/plain {} (plain {})",
+                f.show("e2e_cpu_vs_raw", "x"),
+                f.show("e2e_raw_cpu_us_per_msg", "us")
+            ),
+            "<= 1.1x plain",
+            f.check("e2e_cpu_vs_raw", |r| r <= 1.1),
+        ),
+        Row::shown(
+            "  plain loop acking cumulatively",
+            f.show("e2e_raw_cumulative_cpu_us_per_msg", "us/msg"),
+            format!("ours/it {}", f.show("e2e_cpu_vs_raw_cumulative", "x")),
+        ),
+        Row::shown(
+            "e2e rate, ours (queue 1000)",
+            f.show("e2e_msgs_per_s", "msg/s"),
+            format!(
+                "ours/plain {} python {}",
+                f.show("e2e_vs_raw", "x"),
+                f.show("e2e_python_msgs_per_s", "msg/s")
+            ),
+        ),
+        Row::shown(
+            "e2e client CPU, Python",
+            f.show("e2e_python_cpu_us_per_msg", "us/msg"),
+            format!(
+                "transport loop {}",
+                f.show("e2e_transport_cpu_us_per_msg", "us")
+            ),
+        ),
+        Row::shown(
+            "e2e allocations per message",
+            f.show("e2e_allocs_per_msg", ""),
+            format!(
+                "transport adds {} plain {}",
+                f.show("pulsar_transport_allocs_per_msg", ""),
+                f.show("e2e_raw_allocs_per_msg", "")
+            ),
+        ),
+        Row::shown(
+            "e2e latency p50 / p99 (ours)",
+            f.show("e2e_latency_p50_us", "us"),
+            format!(
+                "p99 {} plain {} python {}",
+                f.show("e2e_latency_p99_us", "us"),
+                f.show("e2e_raw_latency_p99_us", "us"),
+                f.show("e2e_python_latency_p99_us", "us")
+            ),
+        ),
+        Row::shown(
+            "e2e per core, 2 vs 1",
+            f.show("per_core_2_vs_1", "x"),
+            String::new(),
+        ),
+    ]
 }
 
 /// `cargo test --all-targets` runs this: each workload completes, every
