@@ -79,8 +79,7 @@ fn age_of(payload: &[u8]) -> u64 {
 }
 
 /// Creates the subscription (so that the broker keeps the messages for
-/// it), then produces `messages` payloads of 64 bytes, at most 64 in
-/// flight.
+/// it), then produces `messages` payloads of 64 bytes.
 async fn produce(url: &str, topic: &str, messages: usize, sub_type: SubType) {
     let client = Pulsar::builder(url, TokioExecutor)
         .build()
@@ -98,27 +97,28 @@ async fn produce(url: &str, topic: &str, messages: usize, sub_type: SubType) {
     let mut producer = client
         .producer()
         .with_topic(topic)
+        .with_options(waiting_producer())
         .build()
         .await
         .expect("creating a producer");
-    let mut receipts = Vec::with_capacity(64);
+    let mut receipts = Vec::with_capacity(messages);
     for _ in 0..messages {
-        receipts.push(
-            producer
-                .send_non_blocking(vec![b'x'; PAYLOAD_SIZE])
-                .await
-                .expect("sending"),
-        );
-        if receipts.len() == 64 {
-            for receipt in receipts.drain(..) {
-                receipt.await.expect("a receipt");
-            }
-        }
+        let payload = vec![b'x'; PAYLOAD_SIZE];
+        receipts.push(producer.send_non_blocking(payload).await.expect("sending"));
     }
-    for receipt in receipts.drain(..) {
+    for receipt in receipts {
         receipt.await.expect("a receipt");
     }
     producer.close().await.expect("closing the producer");
+}
+
+/// Options for a producer whose send waits for room when the crate's
+/// outbound queue (100 sends per connection) is full, instead of failing.
+fn waiting_producer() -> pulsar::ProducerOptions {
+    pulsar::ProducerOptions {
+        block_queue_if_full: true,
+        ..Default::default()
+    }
 }
 
 /// Produces `messages` payloads of 64 bytes at `rate` per second from a
@@ -147,10 +147,7 @@ fn produce_at_rate(
             let mut producer = client
                 .producer()
                 .with_topic(&topic)
-                .with_options(pulsar::ProducerOptions {
-                    block_queue_if_full: true,
-                    ..Default::default()
-                })
+                .with_options(waiting_producer())
                 .build()
                 .await
                 .expect("creating a producer");

@@ -444,25 +444,24 @@ pub async fn run_interop(script: &str, request: serde_json::Value) -> serde_json
     .expect("python runner thread")
 }
 
-/// Publishes `messages` to `topic` and waits for the broker's receipts,
-/// with at most 50 unconfirmed at a time (the crate fails fast once its
-/// outbound queue fills).
+/// Publishes `messages` to `topic` and waits for the broker's receipts. A
+/// send waits for room in the crate's outbound queue (100 sends) instead
+/// of failing, as the dispatcher's own producers do.
 pub async fn publish(topic: &str, messages: impl IntoIterator<Item = pulsar::producer::Message>) {
     let client = client().await;
     let mut producer = client
         .producer()
         .with_topic(topic)
+        .with_options(pulsar::ProducerOptions {
+            block_queue_if_full: true,
+            ..Default::default()
+        })
         .build()
         .await
         .expect("producer");
     let mut receipts = Vec::new();
     for message in messages {
         receipts.push(producer.send_non_blocking(message).await.expect("send"));
-        if receipts.len() == 50 {
-            for receipt in receipts.drain(..) {
-                receipt.await.expect("receipt");
-            }
-        }
     }
     for receipt in receipts {
         receipt.await.expect("receipt");
