@@ -123,8 +123,9 @@ impl SubscribeOptions {
         self
     }
 
-    /// The subscription name. Without one, the `pulsar` crate makes one up,
-    /// which suits only throwaway subscriptions.
+    /// The subscription name. Without one, the transport makes up a random
+    /// one for this subscribe call, which suits only throwaway
+    /// subscriptions.
     #[must_use]
     pub fn subscription(mut self, name: impl Into<String>) -> Self {
         self.subscription = Some(name.into());

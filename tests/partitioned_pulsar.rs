@@ -1,8 +1,9 @@
 //! Partitioned topics against a real Apache Pulsar broker, beyond the
 //! plain/partitioned variants of the other suites: every subscription type,
 //! short topic names, Key_Shared across two dispatchers, subscribing over
-//! a backlog again and again without a hang, and partitions added while
-//! the dispatcher runs.
+//! a backlog again and again without a hang, partitions added while the
+//! dispatcher runs, and one subscription across the partitions when the
+//! user names none.
 
 mod common;
 
@@ -321,5 +322,60 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
             total,
             "a message acked by an earlier round came back"
         );
+    });
+}
+
+/// Without a subscription name, the transport makes one up for the whole
+/// subscribe: every partition joins that one subscription (the crate,
+/// left to itself, makes up a new name for each partition's consumer).
+/// The subscription holds the backlog of every partition and acks it all.
+#[test]
+fn an_unnamed_subscription_is_one_subscription_across_the_partitions() {
+    run_local(Duration::from_secs(120), async {
+        let topic = fresh_topic("unnamed", TopicKind::Partitioned(PARTITIONS));
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
+        let record = handled.clone();
+        dispatcher
+            .subscribe(
+                &topic,
+                async move |message: &Message| {
+                    record.borrow_mut().push(common::payload_number(message));
+                    Ok::<_, Infallible>(())
+                },
+                SubscribeOptions::new(),
+            )
+            .await
+            .unwrap();
+        let per_partition = common::topic_stats(&topic)["partitions"].clone();
+        let names: BTreeMap<String, BTreeSet<String>> = per_partition
+            .as_object()
+            .expect("per-partition stats")
+            .iter()
+            .map(|(partition, stats)| {
+                let subscriptions = stats["subscriptions"].as_object().expect("subscriptions");
+                (partition.clone(), subscriptions.keys().cloned().collect())
+            })
+            .collect();
+        assert_eq!(names.len(), PARTITIONS as usize, "{names:?}");
+        let all: BTreeSet<&String> = names.values().flatten().collect();
+        assert_eq!(
+            all.len(),
+            1,
+            "one subscription on every partition: {names:?}"
+        );
+        let subscription = all.into_iter().next().unwrap().clone();
+
+        let run = start(&dispatcher);
+        common::publish(&topic, common::keyed_messages(30, 7)).await;
+        wait_until("30 messages", Duration::from_secs(30), || {
+            handled.borrow().len() >= 30
+        })
+        .await;
+        let stats = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&dispatcher, run).await;
+        assert_eq!(stats.msg_backlog, 0, "acked on the one subscription");
+        let seen: BTreeSet<usize> = handled.borrow().iter().copied().collect();
+        assert_eq!(seen, (0..30).collect());
     });
 }

@@ -43,7 +43,9 @@ use crate::message::{find_property, Message, MessageId};
 pub struct ConsumerSpec {
     /// The full topic name.
     pub topic: String,
-    /// The subscription name; the transport makes one up without it.
+    /// The subscription name; without it the transport makes one up, one
+    /// for the whole consumer (every partition, and every time a partition
+    /// is subscribed again).
     pub subscription: Option<String>,
     /// The subscription type.
     pub subscription_type: SubType,

@@ -100,6 +100,12 @@ impl Transport for PulsarTransport {
             0 => vec![topic.to_owned()],
             n => (0..n).map(|index| partition_name(topic, index)).collect(),
         };
+        let mut spec = spec.clone();
+        // The crate makes up a new name at every build: without one made up
+        // here, each partition, and each partition subscribed again, would
+        // open a subscription of its own and leave the others' messages.
+        spec.subscription
+            .get_or_insert_with(made_up_subscription_name);
         let subscriber = Rc::new(Subscriber {
             client,
             spec: spec.clone(),
@@ -176,6 +182,18 @@ pub struct PulsarConsumer {
     /// `rewind`).
     rewinds: Option<RewindCheck>,
     brokers: Rc<BrokerSockets>,
+}
+
+/// A subscription name for a consumer whose spec names none: random, so
+/// that two such consumers never share a subscription.
+fn made_up_subscription_name() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    // Every `RandomState` has keys of its own (random per thread, then
+    // counted on), so hashing nothing gives a new number each time.
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    format!("pulsar-dispatcher-{random:016x}")
 }
 
 /// How many acknowledged entries a consumer remembers, besides twice its
