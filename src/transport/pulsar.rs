@@ -373,7 +373,7 @@ impl PulsarConsumer {
         if let Some(rewinds) = &mut self.rewinds {
             rewinds.settled(id);
         }
-        let Some(succeeded) = self.batches.settle(id, succeeded) else {
+        let Some(succeeded) = self.batches.settle(id, succeeded, &self.recent_acks) else {
             return Ok(());
         };
         let partition = self.send_settlement(id, succeeded)?;

@@ -6,6 +6,7 @@
 //! Both are bookkeeping above the `pulsar` crate, which acknowledges whole
 //! entries and drops acknowledgements sent while its connection is down.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -29,7 +30,17 @@ impl BatchSettlements {
     /// message's entry, once there is something to tell: `Some(true)` to ack
     /// it, `Some(false)` to nack it, `None` while batch-mates are pending.
     /// Messages outside a batch are passed straight through.
-    pub(super) fn settle(&mut self, id: &MessageId, succeeded: bool) -> Option<bool> {
+    ///
+    /// A member of an entry `acked` remembers has nothing left to tell: a
+    /// rewind delivered it a second time, and its first copies completed
+    /// and acked the entry meanwhile. Held, it would wait for batch-mates
+    /// that never come again.
+    pub(super) fn settle(
+        &mut self,
+        id: &MessageId,
+        succeeded: bool,
+        acked: &RecentAcks,
+    ) -> Option<bool> {
         let (Some(index), Some(size)) = (id.batch_index(), id.batch_size()) else {
             return Some(succeeded);
         };
@@ -40,10 +51,14 @@ impl BatchSettlements {
             return Some(succeeded);
         }
         let entry = entry_of(id);
-        let progress = self.by_entry.entry(entry).or_insert_with(|| BatchProgress {
-            settled: vec![false; size],
-            all_succeeded: true,
-        });
+        let progress = match self.by_entry.entry(entry) {
+            Entry::Occupied(progress) => progress.into_mut(),
+            Entry::Vacant(_) if acked.contains(entry) => return None,
+            Entry::Vacant(vacant) => vacant.insert(BatchProgress {
+                settled: vec![false; size],
+                all_succeeded: true,
+            }),
+        };
         progress.settled[index] = true;
         progress.all_succeeded &= succeeded;
         if progress.settled.iter().all(|&settled| settled) {
@@ -116,6 +131,11 @@ impl RecentAcks {
         }
     }
 
+    /// Whether `entry` was acked recently.
+    pub(super) fn contains(&self, entry: EntryKey) -> bool {
+        self.entries.contains(&entry)
+    }
+
     /// Whether `entry` was acked recently; if so, counts a redelivery and
     /// returns the entries whose acks to send again: all remembered ones
     /// the first time after a while, otherwise just this one.
@@ -146,33 +166,35 @@ mod tests {
     #[test]
     fn unbatched_messages_settle_at_once() {
         let mut batches = BatchSettlements::default();
+        let none = RecentAcks::new(0);
         assert_eq!(
-            batches.settle(&MessageId::new(1, 2, -1, None), true),
+            batches.settle(&MessageId::new(1, 2, -1, None), true, &none),
             Some(true)
         );
         assert_eq!(
-            batches.settle(&MessageId::new(1, 3, -1, None), false),
+            batches.settle(&MessageId::new(1, 3, -1, None), false, &none),
             Some(false)
         );
-        assert_eq!(batches.settle(&member(4, 0, 1), true), Some(true));
+        assert_eq!(batches.settle(&member(4, 0, 1), true, &none), Some(true));
     }
 
     #[test]
     fn a_batch_is_acked_when_its_last_member_succeeds() {
         let mut batches = BatchSettlements::default();
-        assert_eq!(batches.settle(&member(7, 2, 3), true), None);
+        let none = RecentAcks::new(0);
+        assert_eq!(batches.settle(&member(7, 2, 3), true, &none), None);
         assert_eq!(
-            batches.settle(&member(8, 0, 2), true),
+            batches.settle(&member(8, 0, 2), true, &none),
             None,
             "another entry"
         );
-        assert_eq!(batches.settle(&member(7, 0, 3), true), None);
+        assert_eq!(batches.settle(&member(7, 0, 3), true, &none), None);
         assert_eq!(
-            batches.settle(&member(7, 0, 3), true),
+            batches.settle(&member(7, 0, 3), true, &none),
             None,
             "a repeat changes nothing"
         );
-        assert_eq!(batches.settle(&member(7, 1, 3), true), Some(true));
+        assert_eq!(batches.settle(&member(7, 1, 3), true, &none), Some(true));
         assert!(batches.by_entry.contains_key(&(-1, 1, 8)));
         assert!(!batches.by_entry.contains_key(&(-1, 1, 7)));
     }
@@ -180,10 +202,31 @@ mod tests {
     #[test]
     fn a_batch_with_a_failed_member_is_nacked_once_all_are_settled() {
         let mut batches = BatchSettlements::default();
-        assert_eq!(batches.settle(&member(7, 0, 3), true), None);
-        assert_eq!(batches.settle(&member(7, 1, 3), false), None);
-        assert_eq!(batches.settle(&member(7, 2, 3), true), Some(false));
+        let none = RecentAcks::new(0);
+        assert_eq!(batches.settle(&member(7, 0, 3), true, &none), None);
+        assert_eq!(batches.settle(&member(7, 1, 3), false, &none), None);
+        assert_eq!(batches.settle(&member(7, 2, 3), true, &none), Some(false));
         assert!(batches.by_entry.is_empty());
+    }
+
+    #[test]
+    fn a_second_copy_of_a_member_settled_after_its_entry_was_acked_is_not_held() {
+        // On an Exclusive subscription a nack rewinds: member 0 of entry 7,
+        // already settled, is delivered again while member 1 is still
+        // being handled. Member 1 then completes the entry, which is acked.
+        let mut batches = BatchSettlements::default();
+        let mut acked = RecentAcks::new(16);
+        assert_eq!(batches.settle(&member(7, 0, 2), true, &acked), None);
+        assert_eq!(batches.settle(&member(7, 1, 2), true, &acked), Some(true));
+        acked.record((-1, 1, 7));
+        // The second copy of member 0 settles last: nothing to tell, and
+        // nothing held for an entry that is gone.
+        assert_eq!(batches.settle(&member(7, 0, 2), true, &acked), None);
+        assert_eq!(batches.settle(&member(7, 0, 2), false, &acked), None);
+        assert!(batches.by_entry.is_empty());
+        // Another entry is held as before.
+        assert_eq!(batches.settle(&member(8, 0, 2), true, &acked), None);
+        assert!(batches.by_entry.contains_key(&(-1, 1, 8)));
     }
 
     #[test]
