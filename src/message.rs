@@ -142,6 +142,8 @@ pub struct Message {
 pub(crate) struct Metadata {
     pub(crate) properties: Vec<(String, String)>,
     pub(crate) partition_key: Option<String>,
+    /// The partition key is the base64 text of a key given as bytes.
+    pub(crate) partition_key_b64_encoded: bool,
     pub(crate) ordering_key: Option<Vec<u8>>,
     pub(crate) event_time: Option<u64>,
 }
@@ -150,6 +152,7 @@ pub(crate) struct Metadata {
 static NO_METADATA: Metadata = Metadata {
     properties: Vec::new(),
     partition_key: None,
+    partition_key_b64_encoded: false,
     ordering_key: None,
     event_time: None,
 };
@@ -158,6 +161,7 @@ impl Metadata {
     fn is_empty(&self) -> bool {
         self.properties.is_empty()
             && self.partition_key.is_none()
+            && !self.partition_key_b64_encoded
             && self.ordering_key.is_none()
             && self.event_time.is_none()
     }
@@ -261,6 +265,13 @@ impl Message {
         self.metadata().partition_key.as_deref()
     }
 
+    /// Whether the [partition key](Self::partition_key) is the base64 text
+    /// of a key its producer gave as bytes (Pulsar's
+    /// `partition_key_b64_encoded`).
+    pub fn partition_key_is_base64(&self) -> bool {
+        self.metadata().partition_key_b64_encoded
+    }
+
     /// The ordering key, used by Key_Shared subscriptions.
     pub fn ordering_key(&self) -> Option<&[u8]> {
         self.metadata().ordering_key.as_deref()
@@ -296,6 +307,10 @@ impl fmt::Debug for Message {
             .field("payload", &self.payload)
             .field("properties", &metadata.properties)
             .field("partition_key", &metadata.partition_key)
+            .field(
+                "partition_key_b64_encoded",
+                &metadata.partition_key_b64_encoded,
+            )
             .field("ordering_key", &metadata.ordering_key)
             .field("event_time", &metadata.event_time)
             .field("publish_time", &self.publish_time)

@@ -94,23 +94,20 @@ fn properties(message: &pulsar::consumer::Message<Vec<u8>>) -> BTreeMap<String, 
         .collect()
 }
 
-async fn publish_order(topic: &str, payload: &str) {
-    let client = client().await;
-    let mut producer = client.producer().with_topic(topic).build().await.unwrap();
-    let message = pulsar::producer::Message {
+/// Order 17 of customer 3, with every field a republish must keep.
+fn order(payload: &str) -> pulsar::producer::Message {
+    pulsar::producer::Message {
         payload: payload.as_bytes().to_vec(),
         properties: [("order".to_string(), "17".to_string())].into(),
         partition_key: Some("customer-3".into()),
         ordering_key: Some(b"order-17".to_vec()),
         event_time: Some(1_700_000_000_000),
         ..Default::default()
-    };
-    producer
-        .send_non_blocking(message)
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    }
+}
+
+async fn publish_order(topic: &str, payload: &str) {
+    common::publish(topic, [order(payload)]).await;
 }
 
 /// The partition index Pulsar's clients print in message ids: `-1` for a
@@ -149,11 +146,21 @@ fn a_fatal_error_lands_in_the_dead_letter_topic_intact(kind: TopicKind) {
             .await
             .unwrap();
         let run = start(&dispatcher);
-        publish_order(&topic, "invalid").await;
+        // The key given as bytes: the dead letter keeps it so.
+        let keyed_by_bytes = pulsar::producer::Message {
+            partition_key: Some("Y3VzdG9tZXItMw==".into()),
+            partition_key_b64_encoded: Some(true),
+            ..order("invalid")
+        };
+        common::publish(&topic, [keyed_by_bytes]).await;
 
         let dead = next_message(&mut dead_letters, "dead letter").await;
         assert_eq!(dead.payload.data, b"invalid");
-        assert_eq!(dead.metadata().partition_key.as_deref(), Some("customer-3"));
+        assert_eq!(
+            dead.metadata().partition_key.as_deref(),
+            Some("Y3VzdG9tZXItMw==")
+        );
+        assert_eq!(dead.metadata().partition_key_b64_encoded, Some(true));
         assert_eq!(
             dead.metadata().ordering_key.as_deref(),
             Some(&b"order-17"[..])

@@ -51,7 +51,9 @@ fn send(transport: &MemoryTransport, topic: &str, payload: &str) -> crate::Messa
         OutgoingMessage {
             payload: payload.as_bytes().to_vec(),
             properties: vec![("app".into(), "kept".into())],
-            partition_key: Some("customer-7".into()),
+            // "customer-7", given as bytes.
+            partition_key: Some("Y3VzdG9tZXItNw==".into()),
+            partition_key_b64_encoded: true,
             ordering_key: Some(b"ok".to_vec()),
             event_time: Some(42),
             deliver_at_time: None,
@@ -87,7 +89,8 @@ fn a_fatal_error_dead_letters_the_message_with_its_content_and_origin() {
         assert_eq!(dead.len(), 1);
         let dead = &dead[0];
         assert_eq!(dead.payload, b"invalid");
-        assert_eq!(dead.partition_key.as_deref(), Some("customer-7"));
+        assert_eq!(dead.partition_key.as_deref(), Some("Y3VzdG9tZXItNw=="));
+        assert!(dead.partition_key_b64_encoded, "still a key given as bytes");
         assert_eq!(dead.ordering_key.as_deref(), Some(&b"ok"[..]));
         assert_eq!(dead.event_time, Some(42));
         assert_eq!(dead.property("app"), Some("kept"));

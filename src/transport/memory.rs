@@ -278,6 +278,7 @@ impl MemoryTransport {
         received.set_metadata(Metadata {
             properties: message.properties,
             partition_key: message.partition_key,
+            partition_key_b64_encoded: message.partition_key_b64_encoded,
             ordering_key: message.ordering_key,
             event_time: message.event_time,
         });

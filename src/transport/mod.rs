@@ -98,6 +98,9 @@ pub struct OutgoingMessage {
     pub properties: Vec<(String, String)>,
     /// Partition key (Pulsar's message key).
     pub partition_key: Option<String>,
+    /// The partition key is the base64 text of a key given as bytes
+    /// (Pulsar's `partition_key_b64_encoded`).
+    pub partition_key_b64_encoded: bool,
     /// Ordering key for Key_Shared subscriptions.
     pub ordering_key: Option<Vec<u8>>,
     /// Event time in milliseconds since the Unix epoch.
@@ -149,6 +152,7 @@ impl OutgoingMessage {
             payload: message.payload.clone(),
             properties: metadata.properties.clone(),
             partition_key: metadata.partition_key.clone(),
+            partition_key_b64_encoded: metadata.partition_key_b64_encoded,
             ordering_key: metadata.ordering_key.clone(),
             event_time: metadata.event_time,
             deliver_at_time: None,

@@ -346,6 +346,7 @@ impl PulsarConsumer {
                 .map(|pair| (pair.key, pair.value))
                 .collect(),
             partition_key: metadata.partition_key,
+            partition_key_b64_encoded: metadata.partition_key_b64_encoded.unwrap_or(false),
             ordering_key: metadata.ordering_key,
             event_time: metadata.event_time,
         });
@@ -452,6 +453,7 @@ impl Producer for PulsarProducer {
             payload: message.payload,
             properties: message.properties.into_iter().collect(),
             partition_key: message.partition_key,
+            partition_key_b64_encoded: message.partition_key_b64_encoded.then_some(true),
             ordering_key: message.ordering_key,
             event_time: message.event_time,
             deliver_at_time: message.deliver_at_time,
