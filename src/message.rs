@@ -26,9 +26,9 @@ pub struct MessageId {
     batch_index: Option<i32>,
     batch_size: Option<i32>,
     /// The broker's id whole, when it carries more than the fields above
-    /// (an ack set, a chunked message's first id), to give back as it came
-    /// when settling; `None` for nearly every message, so that an id is 48
-    /// bytes and a clone copies them.
+    /// (an ack set, a chunked message's first id, a batch size of its
+    /// own), to give back as it came when settling; `None` for nearly every
+    /// message, so that an id is 48 bytes and a clone copies them.
     rest: Option<Box<MessageIdData>>,
 }
 
@@ -46,20 +46,26 @@ impl MessageId {
         }
     }
 
-    /// The id the broker gave, as the `pulsar` crate passes it on.
-    pub(crate) fn from_broker(id: MessageIdData) -> Self {
-        let carries_more = !id.ack_set.is_empty() || id.first_chunk_message_id.is_some();
+    /// The id the broker gave, as the `pulsar` crate passes it on, of a
+    /// message in a batch of `batch_size` (from the batch's metadata) if
+    /// the id does not say.
+    pub(crate) fn from_broker(id: MessageIdData, batch_size: Option<i32>) -> Self {
+        let carries_more = !id.ack_set.is_empty()
+            || id.first_chunk_message_id.is_some()
+            || id.batch_size.is_some();
         MessageId {
             ledger_id: id.ledger_id,
             entry_id: id.entry_id,
             partition: id.partition,
             batch_index: id.batch_index,
-            batch_size: id.batch_size,
+            batch_size: id.batch_size.or(batch_size),
             rest: carries_more.then(|| Box::new(id)),
         }
     }
 
-    /// The id to give back to the broker: the one it gave.
+    /// The id to give back to the broker: the one the crate handed out,
+    /// exactly, since the crate's ack timeout forgets an id only when an
+    /// ack carries that same id.
     pub(crate) fn to_broker(&self) -> MessageIdData {
         match &self.rest {
             Some(whole) => (**whole).clone(),
@@ -68,7 +74,6 @@ impl MessageId {
                 entry_id: self.entry_id,
                 partition: self.partition,
                 batch_index: self.batch_index,
-                batch_size: self.batch_size,
                 ..Default::default()
             },
         }
@@ -374,14 +379,22 @@ mod tests {
             entry_id: 9,
             partition: Some(2),
             batch_index: Some(1),
-            batch_size: Some(3),
             ..Default::default()
         };
-        let id = MessageId::from_broker(plain.clone());
+        // The batch size comes from the batch's metadata, not the id, and
+        // does not go back with it.
+        let id = MessageId::from_broker(plain.clone(), Some(3));
         assert_eq!(id.to_broker(), plain);
         assert_eq!((id.ledger_id(), id.entry_id(), id.partition()), (5, 9, 2));
         assert_eq!((id.batch_index(), id.batch_size()), (Some(1), Some(3)));
         assert_eq!(id.to_string(), "5:9:2:1");
+        let sized = MessageIdData {
+            batch_size: Some(3),
+            ..plain.clone()
+        };
+        let id_with_size = MessageId::from_broker(sized.clone(), None);
+        assert_eq!(id_with_size.batch_size(), Some(3));
+        assert_eq!(id_with_size.to_broker(), sized, "a size in the id stays");
 
         let with_more = MessageIdData {
             ack_set: vec![0b101],
@@ -389,11 +402,11 @@ mod tests {
             ..plain.clone()
         };
         assert_eq!(
-            MessageId::from_broker(with_more.clone()).to_broker(),
+            MessageId::from_broker(with_more.clone(), None).to_broker(),
             with_more
         );
         assert_ne!(
-            MessageId::from_broker(with_more),
+            MessageId::from_broker(with_more, None),
             id,
             "the extras are part of the id"
         );
@@ -402,7 +415,7 @@ mod tests {
             partition: None,
             ..plain
         };
-        let id = MessageId::from_broker(unpartitioned.clone());
+        let id = MessageId::from_broker(unpartitioned.clone(), None);
         assert_eq!(id.partition(), -1);
         assert_eq!(id.to_broker(), unpartitioned);
     }

@@ -13,6 +13,7 @@ on_plain_and_partitioned_topics!(
     with_a_slow_handler_the_backlog_stays_on_the_broker,
     shutdown_under_load_loses_nothing,
     a_batch_is_acked_only_once_every_message_in_it_succeeded,
+    the_ack_timeout_leaves_an_acked_batch_alone,
 );
 
 use std::cell::RefCell;
@@ -621,5 +622,86 @@ fn batch_acked_once_all_succeeded(kind: TopicKind, subscription_type: SubType) {
         );
         close_and_join(&dispatcher, run).await;
         assert_eq!(handled.borrow().len(), 5);
+    });
+}
+
+/// With the crate's ack timeout on (`unacked_message_resend_delay`), the
+/// crate asks the broker to redeliver every message it handed out and saw
+/// no ack for within the delay; on an Exclusive subscription that request
+/// rewinds the subscription, delivering again whatever is unacked. Acking
+/// a batch must therefore clear every member the crate handed out, or,
+/// one delay after a batch was handled and acked, the crate rewinds the
+/// subscription under the message then being handled. Timeline (the delay
+/// is 4 s, the crate checks every 0.5 s): the batch is handled at 0 s,
+/// a lone message arrives at 2 s and is held until 5.2 s, before its own
+/// delay ends (6 s at the earliest); a stale batch member would fire
+/// between 4 and 4.5 s, while it is held.
+fn the_ack_timeout_leaves_an_acked_batch_alone(kind: TopicKind) {
+    const DELAY: Duration = Duration::from_secs(4);
+    run_local(Duration::from_secs(90), async {
+        let topic = fresh_topic("ack-timeout", kind);
+        let subscription = unique_name("sub");
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let release = Rc::new(Notify::new());
+        let released = Rc::new(std::cell::Cell::new(false));
+        let handled: Seen = Seen::default();
+        let (gate, open, record) = (release.clone(), released.clone(), handled.clone());
+        let options = shared(&subscription, 1)
+            .subscription_type(SubType::Exclusive)
+            .unacked_message_resend_delay(DELAY);
+        dispatcher
+            .subscribe(
+                &topic,
+                async move |message: &Message| {
+                    let payload = String::from_utf8_lossy(message.payload()).into_owned();
+                    while payload == "held" && !open.get() {
+                        gate.notified().await;
+                    }
+                    record
+                        .borrow_mut()
+                        .push((message.id().to_string(), payload));
+                    Ok::<_, Infallible>(())
+                },
+                options,
+            )
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        let batch: Vec<_> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|payload| serde_json::json!({ "payload": payload }))
+            .collect();
+        let produce_with_python = |messages: Vec<serde_json::Value>, batching: bool| {
+            common::run_interop(
+                "produce.py",
+                serde_json::json!({
+                    "service_url": pulsar_url(),
+                    "topic": topic,
+                    "batching": batching,
+                    "messages": messages,
+                }),
+            )
+        };
+        produce_with_python(batch, true).await;
+        wait_until("the batch", Duration::from_secs(20), || {
+            handled.borrow().len() >= 4
+        })
+        .await;
+        let batch_handled = tokio::time::Instant::now();
+        tokio::time::sleep_until(batch_handled + DELAY / 2).await;
+        produce_with_python(vec![serde_json::json!({ "payload": "held" })], false).await;
+        tokio::time::sleep_until(batch_handled + DELAY + Duration::from_millis(1200)).await;
+        released.set(true);
+        release.notify_waiters();
+        let done = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&dispatcher, run).await;
+        assert_eq!(done.msg_backlog, 0);
+        let payloads: Vec<String> = handled.borrow().iter().map(|(_, p)| p.clone()).collect();
+        assert_eq!(payloads.len(), 5, "each handled once: {payloads:?}");
+        let stats = dispatcher.stats().total();
+        assert_eq!(
+            stats.dropped_in_flight, 0,
+            "no rewind delivered the held message again: {stats:?}"
+        );
     });
 }

@@ -16,7 +16,9 @@
 //! would acknowledge all of them, including members still being handled.
 //! The consumer therefore holds the settlements of batch members until the
 //! whole batch is settled, then acks the entry if every member succeeded
-//! and nacks it (redelivering the whole batch) otherwise.
+//! and nacks it (redelivering the whole batch) otherwise. With the crate's
+//! ack timeout on, which tracks every member's id, the entry is acked once
+//! per member, each by the id the crate handed out.
 //!
 //! On Exclusive and Failover subscriptions a nack rewinds the whole
 //! subscription; `rewind` drops the second copies that delivers of messages
@@ -125,6 +127,7 @@ impl Transport for PulsarTransport {
                 SubType::Exclusive | SubType::Failover
             )
             .then(RewindCheck::new),
+            acks_each_member: spec.unacked_message_resend_delay.is_some(),
             brokers: self.brokers.clone(),
         })
     }
@@ -181,6 +184,9 @@ pub struct PulsarConsumer {
     /// copies are dropped, and when to ask for a rewind once more (see
     /// `rewind`).
     rewinds: Option<RewindCheck>,
+    /// With the crate's ack timeout on, a batch is acked member by member
+    /// (see `ack_each_member`).
+    acks_each_member: bool,
     brokers: Rc<BrokerSockets>,
 }
 
@@ -332,13 +338,13 @@ impl PulsarConsumer {
     fn convert(&self, partition: usize, received: pulsar::consumer::Message<Vec<u8>>) -> Message {
         let pulsar::Payload { metadata, data } = received.payload;
         let mut id = received.message_id.id;
-        id.batch_size = id.batch_size.or(received.message_id.batch_size);
         if self.is_partitioned() {
             // The partition is also what settlement goes by.
             id.partition = Some(partition as i32);
         }
         let topic = self.partitions[partition].topic.clone();
-        let mut message = Message::new(topic, MessageId::from_broker(id), data);
+        let id = MessageId::from_broker(id, received.message_id.batch_size);
+        let mut message = Message::new(topic, id, data);
         message.set_metadata(Metadata {
             properties: metadata
                 .properties
@@ -377,13 +383,35 @@ impl PulsarConsumer {
         let Some(succeeded) = self.batches.settle(id, succeeded, &self.recent_acks) else {
             return Ok(());
         };
-        let partition = self.send_settlement(id, succeeded)?;
+        let partition = match id.batch_size() {
+            Some(size) if succeeded && size > 1 && self.acks_each_member => {
+                self.ack_each_member(id, size)?
+            }
+            _ => self.send_settlement(id, succeeded)?,
+        };
         if succeeded {
             self.recent_acks.record(entry_of(id));
         } else if let Some(rewinds) = &mut self.rewinds {
             rewinds.nacked(partition, id.to_broker());
         }
         Ok(())
+    }
+
+    /// Acks a whole batch by the id of each of its `size` members, as the
+    /// crate handed them out: its ack timeout tracks every member's id and
+    /// forgets one only when an ack carries it, and once the delay passes
+    /// asks the broker to deliver again whatever it still tracks (which on
+    /// an Exclusive or Failover subscription rewinds the subscription).
+    /// The first ack already acks the entry on the broker. Returns the
+    /// partition's index.
+    fn ack_each_member(&mut self, id: &MessageId, size: i32) -> Result<usize, TransportError> {
+        let index = self.partition_of(id)?;
+        let mut member = id.to_broker();
+        for batch_index in 0..size {
+            member.batch_index = Some(batch_index);
+            self.partitions[index].settle(member.clone(), true)?;
+        }
+        Ok(index)
     }
 
     /// Sends the settlement to the message's partition; returns its index.
