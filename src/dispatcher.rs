@@ -210,21 +210,21 @@ impl DispatcherBuilder {
         if let Some(interval) = self.settings.metrics_interval {
             checked_duration("metrics_interval", interval, false)?;
         }
-        let reserved: usize = self
+        let reserved = self
             .settings
             .reservations
             .iter()
-            .map(|(_, permits)| permits)
-            .sum();
-        if reserved > concurrency.get() {
-            return Err(Error::InvalidOption {
+            .try_fold(0usize, |sum, &(_, permits)| sum.checked_add(permits));
+        match reserved {
+            Some(reserved) if reserved <= concurrency.get() => Ok(concurrency),
+            _ => Err(Error::InvalidOption {
                 option: "reserve",
                 reason: format!(
-                    "{reserved} permits reserved, more than the concurrency limit of {concurrency}"
+                    "{} permits reserved, more than the concurrency limit of {concurrency}",
+                    reserved.map_or_else(|| "more than usize::MAX".to_owned(), |n| n.to_string())
                 ),
-            });
+            }),
         }
-        Ok(concurrency)
     }
 }
 

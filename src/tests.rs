@@ -394,6 +394,71 @@ fn a_burst_kept_by_one_worker_is_handed_on_when_its_first_handler_waits() {
     });
 }
 
+/// A consumer that wakes while a worker is idle wakes that worker (the
+/// engine's helper) to dispatch. If a job is handed to the same worker
+/// before it runs, it runs the job and the consumer is the engine's to
+/// poll. Here the wake-up comes from a handler (K2 sends to `b`), whose
+/// queued batch-mate (L1) then goes to the idle helper; the busy handlers
+/// wait for `b`'s handler, and with metrics off no periodic tick polls the
+/// consumers: a lost wake-up is a hang.
+#[test]
+fn a_wake_up_for_an_idle_worker_that_is_then_handed_a_job_is_not_lost() {
+    run_paused(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(3)
+            .metrics_interval(None)
+            .build(transport.clone())
+            .unwrap();
+        for (payload, key) in [("K1", "k"), ("M1", "m"), ("K2", "k"), ("L1", "l")] {
+            let message = crate::transport::OutgoingMessage::new(payload).with_partition_key(key);
+            transport.send_message("orders", message);
+        }
+        let gate = Gate::default();
+        let (sender, wait) = (transport.clone(), gate.clone());
+        let orders = async move |message: &Message| {
+            match message.payload() {
+                b"K1" => yield_now().await,
+                b"M1" => {}
+                b"K2" => {
+                    sender.send("b", "ping");
+                    wait.wait().await;
+                }
+                _ => wait.wait().await,
+            }
+            Ok::<_, Infallible>(())
+        };
+        // Key-ordered with a buffer of one, so that a dispatch picks K2
+        // and L1 together for one worker.
+        let ordered = options(1).ordering(crate::Ordering::Key).key_buffer(1);
+        dispatcher
+            .subscribe("orders", orders, ordered)
+            .await
+            .unwrap();
+        let open = gate.clone();
+        let b = async move |_: &Message| {
+            open.open();
+            Ok::<_, Infallible>(())
+        };
+        dispatcher.subscribe("b", b, options(1)).await.unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        let waited =
+            tokio::time::timeout(Duration::from_secs(3600), transport.wait_acked("b", 1)).await;
+        let stats = dispatcher.stats();
+        assert!(
+            waited.is_ok(),
+            "b never handled: in flight {} of {}, waiting {}",
+            stats.in_flight,
+            stats.concurrency,
+            stats.waiting
+        );
+        transport.wait_acked("orders", 4).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
 #[test]
 fn never_more_handlers_in_flight_than_the_concurrency_limit() {
     run_local(async {

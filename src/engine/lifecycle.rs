@@ -250,6 +250,9 @@ impl<T: Transport> Engine<T> {
             };
             subscription.nack_at_once(message.get().id());
             self.recycle(message);
+            if subscription.is_removing() {
+                self.drained.notify_waiters();
+            }
         }
         let running = self.scheduler.borrow().in_flight();
         warn!(
@@ -306,6 +309,9 @@ impl<T: Transport> Engine<T> {
     fn mark_closed(&self) {
         self.phase.set(Phase::Closed);
         self.closed.notify_waiters();
+        // An unsubscribe waiting for its subscription to drain ends with
+        // the dispatcher too.
+        self.drained.notify_waiters();
     }
 
     /// Shuts down (or, before `run()`, closes the consumers and the

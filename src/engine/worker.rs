@@ -244,7 +244,16 @@ where
             })
             .await;
             match woke {
-                Woke::Job(job) => return Some(job),
+                Woke::Job(job) => {
+                    // Woken as the engine's helper for a consumer, then
+                    // handed a job before it ran: the consumer is someone
+                    // else's to poll now, or its message waits for a job
+                    // to end while a permit may be free.
+                    if engine.woken.any() {
+                        engine.woken.wake_engine();
+                    }
+                    return Some(job);
+                }
                 Woke::Closed => return None,
                 Woke::Consumers => {
                     // Off the idle list first: from here on this worker is

@@ -240,6 +240,72 @@ fn a_subscribe_the_broker_never_answers_fails_with_a_typed_error() {
     });
 }
 
+/// An unsubscribe waits for its subscription's messages to be settled.
+/// When the shutdown deadline nacks the only one, still waiting for a
+/// permit, the unsubscribe returns too.
+#[test]
+fn an_unsubscribe_returns_when_the_shutdown_deadline_nacks_its_waiting_message() {
+    super::run_paused(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let gate = Gate::default();
+        transport.send("a", "1");
+        let waiting = transport.send("b", "1");
+        dispatcher
+            .subscribe("a", super::gated(&gate), options(1))
+            .await
+            .unwrap();
+        let b = dispatcher
+            .subscribe("b", super::gated(&gate), options(2))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        assert_eq!(
+            dispatcher.stats().waiting,
+            1,
+            "b's message waits for the permit"
+        );
+        let removing = dispatcher.clone();
+        let unsubscribe = tokio::task::spawn_local(async move { removing.unsubscribe(b).await });
+        settle_down().await;
+        assert_eq!(dispatcher.close_within(Duration::from_secs(1)).await, 1);
+        let ended = run.await.unwrap();
+        assert!(
+            matches!(ended, Err(Error::HandlersCancelled { cancelled: 1 })),
+            "{ended:?}"
+        );
+        assert_eq!(transport.nacked("b"), [waiting]);
+        let removed = tokio::time::timeout(Duration::from_secs(3600), unsubscribe).await;
+        assert!(
+            removed.is_ok(),
+            "unsubscribe still waiting after the dispatcher closed"
+        );
+    });
+}
+
+/// Reservations that add up past `usize::MAX` are refused like any others
+/// above the concurrency limit, not a panic (an overflow in a debug build,
+/// a wrapped sum that passes the check in a release build).
+#[test]
+fn reservations_adding_up_past_usize_max_are_refused() {
+    let built = Dispatcher::builder()
+        .concurrency(4)
+        .reserve(0, usize::MAX)
+        .reserve(1, 2)
+        .build(MemoryTransport::new());
+    assert!(
+        matches!(
+            &built,
+            Err(Error::InvalidOption {
+                option: "reserve",
+                ..
+            })
+        ),
+        "{built:?}"
+    );
+}
+
 #[test]
 fn durations_out_of_range_are_refused_by_name() {
     run_local(async {
