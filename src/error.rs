@@ -108,7 +108,7 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// `subscribe` was called after `run` started or after `close`.
+    /// `subscribe` was called once the dispatcher had begun to close.
     #[error("cannot subscribe to {topic}: the dispatcher is {state}")]
     SubscribeNotAllowed {
         /// The topic of the refused subscription.

@@ -179,11 +179,12 @@ pub struct Latency {
 
 /// Sub-buckets per power of two: a resolution of 1/16 (about 6%).
 const SUB_BUCKETS: usize = 16;
-/// Powers of two covered, from 1 ns: up to about 2^40 ns, 18 minutes.
+/// Powers of two covered: the first 16 ns one bucket per nanosecond, then
+/// up to 2^43 ns, about 2.4 hours.
 const OCTAVES: usize = 40;
 
-/// A latency histogram in fixed buckets (log-linear, from 1 ns to about 18
-/// minutes at about 6% resolution): recording is an index computation and
+/// A latency histogram in fixed buckets (log-linear, from 1 ns to about 2.4
+/// hours at about 6% resolution): recording is an index computation and
 /// an add, without allocation.
 pub(crate) struct LatencyHistogram {
     buckets: Box<[Cell<u64>]>,
