@@ -204,6 +204,22 @@ impl<L: PriorityLevel, S: PriorityLevel> TopicFamily<L, S> {
                 });
             }
         }
+        // Members with underscores in their names can spell one topic twice
+        // (`live` with `high_low`, `live_high` with `low`), which would
+        // subscribe that topic at two priorities.
+        let mut names = HashSet::new();
+        if let Some(twice) = topics
+            .iter()
+            .find(|topic| !names.insert(topic.name.as_str()))
+        {
+            return Err(invalid(
+                "sublevels",
+                format!(
+                    "two level and sublevel pairs make the topic name {}",
+                    twice.name
+                ),
+            ));
+        }
         Ok(topics)
     }
 }
@@ -308,5 +324,22 @@ mod tests {
         }
         let error = TopicFamily::<clash::Clash>::new("x").topics().unwrap_err();
         assert!(error.to_string().contains("\"live\""), "{error}");
+    }
+
+    #[test]
+    fn pairs_that_spell_one_topic_name_twice_are_refused() {
+        #[allow(non_camel_case_types)]
+        mod underscores {
+            crate::priorities! { pub enum Level { Live = 100, Live_High = 300 } }
+            crate::priorities! { pub enum Sub { High_Low = 10, Low = 20 } }
+        }
+        // live + high_low and live_high + low: orders_live_high_low twice.
+        let error = TopicFamily::<underscores::Level, underscores::Sub>::new("orders")
+            .topics()
+            .unwrap_err();
+        assert!(
+            matches!(&error, Error::InvalidOption { option: "sublevels", reason } if reason.contains("orders_live_high_low")),
+            "{error}"
+        );
     }
 }

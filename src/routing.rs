@@ -12,6 +12,7 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -24,7 +25,7 @@ use crate::backoff::Backoff;
 use crate::classify::ErrorClass;
 use crate::error::{Error, RetryTopicProblem, TransportError};
 use crate::message::Message;
-use crate::outcome::{Outcome, SubscriptionInfo, Verdict};
+use crate::outcome::{panic_text, Outcome, SubscriptionInfo, Verdict};
 use crate::topic::full_topic_name;
 use crate::transport::{OutgoingMessage, Producer, Transport};
 
@@ -192,6 +193,18 @@ enum Route {
 }
 
 impl RoutingPolicy {
+    /// Whether the subscription itself can dead-letter: only a fatal error
+    /// or the last of its retries does. Without either, its dead letter
+    /// topic is only a name its retries carry, and no producer is made for
+    /// it (the topic may not exist, or the client may not publish to it).
+    fn dead_letters_own(&self) -> bool {
+        self.fatal.is_some()
+            || self
+                .retry
+                .as_ref()
+                .is_some_and(|retry| retry.max_retries.is_some())
+    }
+
     fn classify(&self, error: &(dyn std::error::Error + 'static), message: &Message) -> Route {
         if self
             .fatal
@@ -261,13 +274,13 @@ impl<T: Transport> Router<T> {
         policy: &RoutingPolicy,
     ) -> Result<(), (String, TransportError)> {
         let retry = policy.retry.as_ref().map(|retry| &retry.topic);
-        for topic in [
-            retry,
-            policy.dead_letter_topic.as_ref(),
-            policy.reply_topic.as_ref(),
-        ]
-        .into_iter()
-        .flatten()
+        let dead_letters = policy
+            .dead_letters_own()
+            .then_some(policy.dead_letter_topic.as_ref())
+            .flatten();
+        for topic in [retry, dead_letters, policy.reply_topic.as_ref()]
+            .into_iter()
+            .flatten()
         {
             if let Err(error) = self.producers.producer(transport, topic).await {
                 return Err((topic.clone(), error));
@@ -317,7 +330,20 @@ impl<T: Transport> Router<T> {
                 })),
                 _ => Action::Settle(Verdict::Ack),
             },
-            failure => self.decide_failure(policy, message, failure),
+            failure => {
+                // A failure's route runs the user's error classes and retry
+                // backoff curve (which may be asked for any retry number up
+                // to u32::MAX: whoever publishes to a retry topic sets it).
+                // A panic in them fails this one message, not the dispatcher.
+                let decided = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    self.decide_failure(policy, message, failure)
+                }));
+                decided.unwrap_or_else(|panic| {
+                    let panic = panic_text(panic.as_ref());
+                    error!(topic = %message.topic(), message_id = %message.id(), %panic, "routing the handler's failure panicked (in an error class or the retry backoff); nacking");
+                    Action::Settle(Verdict::Nack)
+                })
+            }
         }
     }
 

@@ -4,11 +4,15 @@
 
 use std::convert::Infallible;
 use std::rc::Rc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use super::{dispatcher, options, run_local, settle_down, spawn_run, Gate};
-use crate::transport::MemoryTransport;
-use crate::{Dispatcher, Error, ErrorClass, Message, SubType, SubscribeOptions, MAX_DURATION};
+use crate::transport::{Consumer, ConsumerSpec, MemoryTransport, OutgoingMessage, Transport};
+use crate::{
+    Dispatcher, Error, ErrorClass, Message, MessageId, SubType, SubscribeOptions, TransportError,
+    MAX_DURATION,
+};
 
 /// Never returns for payload `hang`; succeeds otherwise.
 async fn hangs_on_request(message: &Message) -> Result<(), Infallible> {
@@ -367,30 +371,118 @@ fn durations_out_of_range_are_refused_by_name() {
     });
 }
 
+/// A user's backoff curve that panics (here on a retry count that whoever
+/// published to the topic set to 1,000: `mul_f64` overflows) fails that
+/// message, which is nacked, and the dispatcher goes on.
 #[test]
-fn a_panic_in_the_dispatchers_own_path_stops_it_with_an_error() {
+fn a_panicking_backoff_curve_nacks_its_message_and_the_dispatcher_goes_on() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(1);
-        let id = transport.send("jobs", "x");
+        let forged = OutgoingMessage::new("x").with_property("RECONSUMETIMES", "1000");
+        let id = transport.send_message("jobs", forged);
+        let options = options(1)
+            .subscription("jobs-sub")
+            .subscription_type(SubType::Shared)
+            .negative_ack_redelivery_delay(Duration::from_secs(3600))
+            .retry_errors(ErrorClass::matching(|_| true))
+            .retry_topic("jobs-retry")
+            .retry_backoff(|retry| Duration::from_secs(1).mul_f64(1.5f64.powi(retry as i32)));
         dispatcher
             .subscribe(
                 "jobs",
                 async |_: &Message| Err::<(), _>("retry me"),
-                options(1)
-                    .subscription("jobs-sub")
-                    .subscription_type(SubType::Shared)
-                    .retry_errors(ErrorClass::matching(|_| true))
-                    .retry_topic("jobs-retry")
-                    .retry_backoff(|_| panic!("a broken backoff curve")),
+                options,
             )
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("later", hangs_on_request, super::options(2))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        transport.send("later", "after");
+        tokio::time::timeout(Duration::from_secs(10), transport.wait_acked("later", 1))
+            .await
+            .expect("the dispatcher went on");
+        assert!(transport.published("jobs-retry").is_empty());
+        assert_eq!(dispatcher.stats().total().failed, 1);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(
+            transport.nacked("jobs"),
+            [id],
+            "held for its delay, sent at shutdown"
+        );
+    });
+}
+
+/// A transport whose acks panic: a panic in the dispatcher's own path
+/// after a handler (routing and settling), where no user code runs.
+#[derive(Clone)]
+struct AcksPanic(MemoryTransport);
+
+struct AcksPanicConsumer(<MemoryTransport as Transport>::Consumer);
+
+impl Transport for AcksPanic {
+    type Consumer = AcksPanicConsumer;
+    type Producer = <MemoryTransport as Transport>::Producer;
+
+    async fn subscribe(&self, spec: &ConsumerSpec) -> Result<Self::Consumer, TransportError> {
+        Ok(AcksPanicConsumer(self.0.subscribe(spec).await?))
+    }
+
+    async fn create_producer(&self, topic: &str) -> Result<Self::Producer, TransportError> {
+        self.0.create_producer(topic).await
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        Transport::close(&self.0).await
+    }
+}
+
+impl Consumer for AcksPanicConsumer {
+    fn poll_receive(
+        &mut self,
+        cx: &mut Context<'_>,
+        slot: &mut Option<Message>,
+    ) -> Poll<Option<Result<(), TransportError>>> {
+        self.0.poll_receive(cx, slot)
+    }
+
+    fn ack(&mut self, _: &MessageId) -> Result<(), TransportError> {
+        panic!("a broken transport")
+    }
+
+    fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
+        self.0.nack(id)
+    }
+
+    async fn close(&mut self) -> Result<(), TransportError> {
+        Consumer::close(&mut self.0).await
+    }
+}
+
+#[test]
+fn a_panic_in_the_dispatchers_own_path_stops_it_with_an_error() {
+    run_local(async {
+        let memory = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(1)
+            .build(AcksPanic(memory.clone()))
+            .unwrap();
+        let id = memory.send("jobs", "x");
+        dispatcher
+            .subscribe("jobs", hangs_on_request, options(1))
             .await
             .unwrap();
         let result = dispatcher.run().await;
         assert!(
-            matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("broken backoff")),
+            matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("broken transport")),
             "{result:?}"
         );
-        assert_eq!(transport.nacked("jobs"), [id], "the message went back");
-        assert!(transport.is_closed());
+        assert_eq!(memory.nacked("jobs"), [id], "the message went back");
+        assert!(memory.is_closed());
     });
 }

@@ -356,6 +356,36 @@ fn subscribe_creates_the_producers_it_publishes_with_and_fails_if_one_cannot_be(
     });
 }
 
+/// A subscription that can never dead-letter (no fatal errors, no retry
+/// limit) makes no dead letter producer, though its retries name its dead
+/// letter topic: a broker that refuses that topic does not fail it, and
+/// the retry still carries the name for whoever ends the chain.
+#[test]
+fn a_subscription_that_never_dead_letters_makes_no_dead_letter_producer() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        transport.fail_producer_creation("orders-orders-sub-DLQ", 1);
+        let retries_only = SubscribeOptions::new()
+            .subscription("orders-sub")
+            .subscription_type(SubType::Shared)
+            .retry_errors(ErrorClass::of::<ServiceUnavailable>())
+            .retry_topic("orders-retry");
+        dispatcher
+            .subscribe("orders", failing, retries_only)
+            .await
+            .unwrap();
+        assert_eq!(
+            transport.producers_created(),
+            ["persistent://public/default/orders-retry"]
+        );
+        send(&transport, "orders", "unavailable");
+        run_until(dispatcher, async |t| t.wait_acked("orders", 1).await).await;
+        let retried = transport.published("orders-retry");
+        assert_eq!(retried.len(), 1);
+        assert_eq!(retried[0].property(DEAD_LETTER_TOPIC), Some(DLQ));
+    });
+}
+
 #[test]
 fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
     run_local(async {
