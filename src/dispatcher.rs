@@ -105,7 +105,8 @@ impl DispatcherBuilder {
     /// or better, so that a flood of worse work never takes them all: a
     /// message at a worse level starts only while more permits are free
     /// than are reserved for better levels. Reservations add up and must
-    /// leave the limit intact (checked when the dispatcher is built).
+    /// leave at least one permit unreserved, or a level worse than every
+    /// reservation could never run (checked when the dispatcher is built).
     pub fn reserve(mut self, priority: i64, permits: usize) -> Self {
         self.settings.reservations.push((priority, permits));
         self
@@ -216,11 +217,11 @@ impl DispatcherBuilder {
             .iter()
             .try_fold(0usize, |sum, &(_, permits)| sum.checked_add(permits));
         match reserved {
-            Some(reserved) if reserved <= concurrency.get() => Ok(concurrency),
+            Some(reserved) if reserved < concurrency.get() => Ok(concurrency),
             _ => Err(Error::InvalidOption {
                 option: "reserve",
                 reason: format!(
-                    "{} permits reserved, more than the concurrency limit of {concurrency}",
+                    "{} permits reserved of a concurrency limit of {concurrency}; at least one must stay unreserved",
                     reserved.map_or_else(|| "more than usize::MAX".to_owned(), |n| n.to_string())
                 ),
             }),

@@ -131,8 +131,8 @@ async fn settle_down() {
     }
 }
 
-fn spawn_run(
-    dispatcher: &Rc<Dispatcher<MemoryTransport>>,
+fn spawn_run<T: crate::transport::Transport>(
+    dispatcher: &Rc<Dispatcher<T>>,
 ) -> tokio::task::JoinHandle<Result<(), Error>> {
     let dispatcher = dispatcher.clone();
     spawn_local(async move { dispatcher.run().await })
@@ -911,6 +911,7 @@ fn stats_count_outcomes_and_settlements_the_transport_refused() {
 }
 
 mod hardening;
+mod hooked;
 mod observability;
 mod randomized;
 mod routing;

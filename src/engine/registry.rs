@@ -226,18 +226,30 @@ impl<T: Transport> Engine<T> {
     /// still dispatched and its handlers finish, its held nacks are sent,
     /// its consumer is closed, and its place is freed. Other subscriptions
     /// go on meanwhile. Returns false if it was gone already.
-    pub(crate) async fn unsubscribe(&self, id: SubscriptionId) -> bool {
+    ///
+    /// The removal runs in a task of its own, as a close does, and every
+    /// call waits for it: a caller dropped mid-way (a timeout around the
+    /// call) neither stops it half-way nor leaves a later call waiting for
+    /// a removal that nobody finishes.
+    pub(crate) async fn unsubscribe(self: &Rc<Self>, id: SubscriptionId) -> bool {
         let Some(subscription) = self.subscription(id) else {
             return false;
         };
-        if subscription.is_removing() {
-            // Another call is removing it; wait for that one.
-            while self.subscription(id).is_some() && self.phase() != Phase::Closed {
-                self.drained.notified().await;
-            }
-            return true;
+        if !subscription.is_removing() {
+            subscription.start_removing();
+            tokio::task::spawn_local(self.clone().remove(id, subscription));
         }
-        subscription.start_removing();
+        loop {
+            let notified = self.drained.notified();
+            if self.subscription(id).is_none() || self.phase() == Phase::Closed {
+                return true;
+            }
+            notified.await;
+        }
+    }
+
+    /// The removal [`unsubscribe`](Self::unsubscribe) starts.
+    async fn remove(self: Rc<Self>, id: SubscriptionId, subscription: Rc<Subscription<T>>) {
         debug!(topic = %subscription.topic, "unsubscribing");
         loop {
             let notified = self.drained.notified();
@@ -262,7 +274,6 @@ impl<T: Transport> Engine<T> {
         }
         self.drained.notify_waiters();
         info!(topic = %subscription.topic, "unsubscribed");
-        true
     }
 }
 

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -98,6 +99,10 @@ pub(crate) struct Subscription<T: Transport> {
     held: RefCell<VecDeque<(Instant, MessageId)>>,
     receive_failure_limit: Duration,
     failures: RefCell<ReceiveFailures>,
+    /// While its consumer is being closed, and when that ends: a second
+    /// close waits for the first.
+    closing: Cell<bool>,
+    consumer_closed: Notify,
     metrics: RefCell<SubscriptionMetrics>,
     /// (messages received, when that count was first seen).
     last_received: Cell<(u64, Option<Instant>)>,
@@ -176,6 +181,8 @@ impl<T: Transport> Subscription<T> {
             receive_failure_limit: spec.receive_failure_limit,
             failing: Cell::new(false),
             failures: RefCell::default(),
+            closing: Cell::new(false),
+            consumer_closed: Notify::new(),
             metrics: RefCell::new(SubscriptionMetrics::register(
                 &info_topic,
                 info_subscription.as_deref(),
@@ -398,10 +405,30 @@ impl<T: Transport> Subscription<T> {
     }
 
     /// Closes the consumer, after every settlement queued before.
+    /// A close while another is under way (an unsubscribe's, when
+    /// shutdown begins) waits for that one, so that the connection, closed
+    /// next, closes after the consumer.
     pub(crate) async fn close(&self) {
-        let Some(mut consumer) = self.consumer.borrow_mut().take() else {
-            return;
+        let taken = self.consumer.borrow_mut().take();
+        let Some(mut consumer) = taken else {
+            loop {
+                let closed = self.consumer_closed.notified();
+                if !self.closing.get() {
+                    return;
+                }
+                closed.await;
+            }
         };
+        struct Closing<'a>(&'a Cell<bool>, &'a Notify);
+        impl Drop for Closing<'_> {
+            // Also when the close is dropped half-way.
+            fn drop(&mut self) {
+                self.0.set(false);
+                self.1.notify_waiters();
+            }
+        }
+        self.closing.set(true);
+        let _closing = Closing(&self.closing, &self.consumer_closed);
         self.counters.copy_repairs(consumer.repairs());
         self.receiving.set(false);
         match consumer.close().await {

@@ -258,11 +258,13 @@ impl<M> Scheduler<M> {
     ///
     /// # Panics
     ///
-    /// If the reservations would exceed the concurrency limit.
+    /// If the reservations would leave no permit unreserved: a level worse
+    /// than every reservation could then never take one.
     pub fn reserve(&mut self, priority: i64, permits: usize) {
+        let total = self.reservations.total().checked_add(permits);
         assert!(
-            self.reservations.total() + permits <= self.concurrency,
-            "reservations exceed the concurrency limit"
+            total.is_some_and(|total| total < self.concurrency),
+            "reservations must leave a permit of the concurrency limit unreserved"
         );
         self.reservations.reserve(priority, permits);
         for level in &mut self.levels {

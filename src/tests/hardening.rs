@@ -4,15 +4,12 @@
 
 use std::convert::Infallible;
 use std::rc::Rc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
+use super::hooked::Hooked;
 use super::{dispatcher, options, run_local, settle_down, spawn_run, Gate};
-use crate::transport::{Consumer, ConsumerSpec, MemoryTransport, OutgoingMessage, Transport};
-use crate::{
-    Dispatcher, Error, ErrorClass, Message, MessageId, SubType, SubscribeOptions, TransportError,
-    MAX_DURATION,
-};
+use crate::transport::{MemoryTransport, OutgoingMessage};
+use crate::{Dispatcher, Error, ErrorClass, Message, SubType, SubscribeOptions, MAX_DURATION};
 
 /// Never returns for payload `hang`; succeeds otherwise.
 async fn hangs_on_request(message: &Message) -> Result<(), Infallible> {
@@ -288,6 +285,106 @@ fn an_unsubscribe_returns_when_the_shutdown_deadline_nacks_its_waiting_message()
     });
 }
 
+/// An unsubscribe whose caller gave up (a timeout around it) still
+/// removes the subscription, and a later unsubscribe of it returns.
+#[test]
+fn an_unsubscribe_given_up_by_its_caller_still_completes() {
+    super::run_paused(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let gate = Gate::default();
+        transport.send("jobs", "1");
+        let jobs = dispatcher
+            .subscribe("jobs", super::gated(&gate), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        let given_up = tokio::time::timeout(
+            Duration::from_millis(10),
+            dispatcher.unsubscribe(jobs.clone()),
+        )
+        .await;
+        assert!(given_up.is_err(), "it waits for the handler");
+        gate.open();
+        settle_down().await;
+        assert_eq!(transport.acked("jobs").len(), 1);
+        assert_eq!(transport.open_consumers(), 0, "removed all the same");
+        assert!(jobs.info().is_none());
+        let again =
+            tokio::time::timeout(Duration::from_secs(3600), dispatcher.unsubscribe(jobs)).await;
+        assert!(
+            matches!(again, Ok(Err(Error::UnknownSubscription { .. }))),
+            "{again:?}"
+        );
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+/// Shutdown closes the connection last, after every consumer: also after
+/// one that an unsubscribe is still closing when shutdown begins.
+#[test]
+fn shutdown_closes_the_connection_after_a_consumer_an_unsubscribe_is_closing() {
+    super::run_paused(async {
+        let transport = Hooked::default().consumer_close_takes(Duration::from_secs(1));
+        let closes = transport.closes.clone();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(1)
+            .build(transport)
+            .unwrap();
+        let jobs = dispatcher
+            .subscribe("jobs", hangs_on_request, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        let removing = dispatcher.clone();
+        let unsubscribe = tokio::task::spawn_local(async move { removing.unsubscribe(jobs).await });
+        settle_down().await;
+        dispatcher.close().await;
+        assert_eq!(
+            *closes.borrow(),
+            [
+                "consumer persistent://public/default/jobs closed",
+                "transport closed"
+            ]
+        );
+        unsubscribe.await.unwrap().unwrap();
+        run.await.unwrap().unwrap();
+    });
+}
+
+/// Reservations that take every permit would leave a level worse than
+/// all of them nothing, ever (and a shutdown waiting for its message
+/// forever): at least one permit stays unreserved.
+#[test]
+fn reservations_must_leave_a_permit_unreserved() {
+    for reservations in [vec![(0, 2)], vec![(0, 1), (10, 1)]] {
+        let mut builder = Dispatcher::builder().concurrency(2);
+        for &(priority, permits) in &reservations {
+            builder = builder.reserve(priority, permits);
+        }
+        let built = builder.build(MemoryTransport::new());
+        assert!(
+            matches!(
+                &built,
+                Err(Error::InvalidOption {
+                    option: "reserve",
+                    ..
+                })
+            ),
+            "{reservations:?}: {built:?}"
+        );
+    }
+    let built = Dispatcher::builder()
+        .concurrency(2)
+        .reserve(0, 1)
+        .build(MemoryTransport::new());
+    assert!(built.is_ok(), "one of two reserved");
+}
+
 /// Reservations that add up past `usize::MAX` are refused like any others
 /// above the concurrency limit, not a panic (an overflow in a debug build,
 /// a wrapped sum that passes the check in a release build).
@@ -420,57 +517,14 @@ fn a_panicking_backoff_curve_nacks_its_message_and_the_dispatcher_goes_on() {
 
 /// A transport whose acks panic: a panic in the dispatcher's own path
 /// after a handler (routing and settling), where no user code runs.
-#[derive(Clone)]
-struct AcksPanic(MemoryTransport);
-
-struct AcksPanicConsumer(<MemoryTransport as Transport>::Consumer);
-
-impl Transport for AcksPanic {
-    type Consumer = AcksPanicConsumer;
-    type Producer = <MemoryTransport as Transport>::Producer;
-
-    async fn subscribe(&self, spec: &ConsumerSpec) -> Result<Self::Consumer, TransportError> {
-        Ok(AcksPanicConsumer(self.0.subscribe(spec).await?))
-    }
-
-    async fn create_producer(&self, topic: &str) -> Result<Self::Producer, TransportError> {
-        self.0.create_producer(topic).await
-    }
-
-    async fn close(&self) -> Result<(), TransportError> {
-        Transport::close(&self.0).await
-    }
-}
-
-impl Consumer for AcksPanicConsumer {
-    fn poll_receive(
-        &mut self,
-        cx: &mut Context<'_>,
-        slot: &mut Option<Message>,
-    ) -> Poll<Option<Result<(), TransportError>>> {
-        self.0.poll_receive(cx, slot)
-    }
-
-    fn ack(&mut self, _: &MessageId) -> Result<(), TransportError> {
-        panic!("a broken transport")
-    }
-
-    fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
-        self.0.nack(id)
-    }
-
-    async fn close(&mut self) -> Result<(), TransportError> {
-        Consumer::close(&mut self.0).await
-    }
-}
-
 #[test]
 fn a_panic_in_the_dispatchers_own_path_stops_it_with_an_error() {
     run_local(async {
-        let memory = MemoryTransport::new();
+        let transport = Hooked::default().acks_panic();
+        let memory = transport.inner.clone();
         let dispatcher = Dispatcher::builder()
             .concurrency(1)
-            .build(AcksPanic(memory.clone()))
+            .build(transport)
             .unwrap();
         let id = memory.send("jobs", "x");
         dispatcher
