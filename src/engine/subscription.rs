@@ -200,15 +200,18 @@ impl<T: Transport> Subscription<T> {
         self.keyed
     }
 
-    /// The hash of the key that orders `message` (its partition key, else
-    /// its ordering key), for a key-ordered subscription.
+    /// The hash of the key that orders `message`, for a key-ordered
+    /// subscription: its ordering key, else its partition key, the key a
+    /// broker's Key_Shared dispatch goes by (so that the order holds across
+    /// processes too). A partition key given as bytes is taken as its
+    /// base64 text, the same text for the same bytes.
     pub(crate) fn order_key(&self, message: &Message) -> Option<u64> {
         if !self.keyed {
             return None;
         }
-        let key: &[u8] = match (message.partition_key(), message.ordering_key()) {
-            (Some(key), _) => key.as_bytes(),
-            (None, Some(key)) => key,
+        let key: &[u8] = match (message.ordering_key(), message.partition_key()) {
+            (Some(key), _) => key,
+            (None, Some(key)) => key.as_bytes(),
             (None, None) => return None,
         };
         Some(hash_key(key))

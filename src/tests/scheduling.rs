@@ -237,6 +237,58 @@ fn key_ordering_serialises_a_key_and_runs_keys_side_by_side() {
     });
 }
 
+/// The key is the ordering key when a message has one, as a Key_Shared
+/// broker reads it, else the partition key: two messages of one account
+/// (partition key) but of different orders (ordering keys) run side by
+/// side; two of one order with different partition keys do not.
+#[test]
+fn the_ordering_key_goes_before_the_partition_key() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(10);
+        for (payload, partition_key, ordering_key) in [
+            ("p1", "account-1", "order-1"),
+            ("p2", "account-1", "order-2"),
+            ("o1", "account-2", "order-3"),
+            ("o2", "account-3", "order-3"),
+        ] {
+            let message = OutgoingMessage::new(payload)
+                .with_partition_key(partition_key)
+                .with_ordering_key(ordering_key);
+            transport.send_message("orders", message);
+        }
+        let timeline = Timeline::default();
+        let record = timeline.clone();
+        dispatcher
+            .subscribe(
+                "orders",
+                async move |message: &Message| {
+                    let name = String::from_utf8_lossy(message.payload()).into_owned();
+                    record.borrow_mut().push(format!("start {name}"));
+                    for _ in 0..3 {
+                        tokio::task::yield_now().await;
+                    }
+                    record.borrow_mut().push(format!("end {name}"));
+                    Ok::<_, Infallible>(())
+                },
+                options(1).ordering(Ordering::Key).key_buffer(4),
+            )
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("orders", 4).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let timeline = timeline.borrow();
+        let at = |event: &str| timeline.iter().position(|e| e == event).unwrap();
+        assert!(
+            at("start p2") < at("end p1"),
+            "one account, two orders: {timeline:?}"
+        );
+        assert!(at("end o1") < at("start o2"), "one order: {timeline:?}");
+    });
+}
+
 #[test]
 fn a_busy_key_does_not_hold_back_the_keys_received_after_it() {
     run_local(async {
