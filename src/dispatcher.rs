@@ -18,7 +18,7 @@ use pulsar::{PulsarBuilder, TokioExecutor};
 use tracing::debug;
 
 use crate::engine::{Control, DispatcherStats, Engine, EngineSettings, Health, SubscriptionId};
-use crate::error::{checked_duration, Error};
+use crate::error::{checked_duration, Error, MAX_CONCURRENCY};
 use crate::family::{PriorityLevel, TopicFamily};
 use crate::handle::{CloseHandle, FamilyHandle, SubscriptionHandle};
 use crate::message::Message;
@@ -72,7 +72,9 @@ impl Default for DispatcherBuilder {
 
 impl DispatcherBuilder {
     /// The most handlers that may run at once, across all subscriptions
-    /// (20 by default; zero is refused when the dispatcher is built).
+    /// (20 by default; zero and more than
+    /// [`MAX_CONCURRENCY`](crate::MAX_CONCURRENCY) are refused when the
+    /// dispatcher is built).
     pub fn concurrency(mut self, limit: usize) -> Self {
         self.concurrency = limit;
         self
@@ -205,6 +207,12 @@ impl DispatcherBuilder {
     /// Checks the settings together; returns the concurrency limit.
     fn checked(&self) -> Result<NonZeroUsize, Error> {
         let concurrency = NonZeroUsize::new(self.concurrency).ok_or(Error::ZeroConcurrency)?;
+        if concurrency.get() > MAX_CONCURRENCY {
+            return Err(Error::InvalidOption {
+                option: "concurrency",
+                reason: format!("{concurrency} is more than MAX_CONCURRENCY ({MAX_CONCURRENCY})"),
+            });
+        }
         if let Some(limit) = self.settings.shutdown_timeout {
             checked_duration("shutdown_timeout", limit, false)?;
         }

@@ -14,6 +14,15 @@ use pulsar::SubType;
 /// clock.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
+/// The largest concurrency limit (2^20 handlers at once on one thread):
+/// a larger one is refused with [`Error::InvalidOption`] rather than left
+/// to exhaust memory where the scheduler sizes its tables by it.
+pub const MAX_CONCURRENCY: usize = 1 << 20;
+
+/// The largest `key_buffer` (2^16 messages held by one subscription),
+/// refused beyond that for the same reason.
+pub const MAX_KEY_BUFFER: usize = 1 << 16;
+
 /// `duration`, if it is within [`MAX_DURATION`] (and not zero, unless
 /// `zero_allowed`); an error naming `option` otherwise.
 pub(crate) fn checked_duration(

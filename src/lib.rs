@@ -122,7 +122,9 @@ pub use dispatcher::{
 pub use engine::{
     DispatcherStats, Health, HealthPhase, Latency, SubscriptionHealth, SubscriptionStats,
 };
-pub use error::{Error, RetryTopicProblem, TransportError, MAX_DURATION};
+pub use error::{
+    Error, RetryTopicProblem, TransportError, MAX_CONCURRENCY, MAX_DURATION, MAX_KEY_BUFFER,
+};
 pub use family::{FamilyTopic, NoSublevels, PriorityLevel, TopicFamily};
 pub use handle::{CloseHandle, FamilyHandle, SubscriptionHandle};
 pub use message::{Message, MessageId};

@@ -16,7 +16,7 @@ use pulsar::{ConsumerOptions, SubType};
 use crate::backoff::{default_backoff, Backoff};
 use crate::classify::ErrorClass;
 use crate::engine::SubscriptionSpec;
-use crate::error::{checked_duration, Error};
+use crate::error::{checked_duration, Error, MAX_KEY_BUFFER};
 use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::scheduler::{Ordering, SubscriptionConfig};
 use crate::topic::full_topic_name;
@@ -274,7 +274,8 @@ impl SubscribeOptions {
     }
 
     /// With [`Ordering::Key`]: how many messages the subscription may hold
-    /// while their keys are busy (16 by default, at least 1). A message
+    /// while their keys are busy (16 by default, at least 1, at most
+    /// [`MAX_KEY_BUFFER`](crate::MAX_KEY_BUFFER)). A message
     /// whose key is busy waits in this buffer while other keys run; once it
     /// is full, no more messages are taken from the broker until a key is
     /// free, so a busy key never makes the dispatcher pull the backlog.
@@ -393,6 +394,12 @@ impl SubscribeOptions {
         let key_buffer = match (self.key_buffer, self.ordering) {
             (None, _) => DEFAULT_KEY_BUFFER,
             (Some(0), _) => return Err(invalid("key_buffer", "must be at least 1")),
+            (Some(size), _) if size > MAX_KEY_BUFFER => {
+                return Err(invalid(
+                    "key_buffer",
+                    "must be at most MAX_KEY_BUFFER (65,536)",
+                ))
+            }
             (Some(size), Ordering::Key) => size,
             (Some(_), _) => return Err(invalid("key_buffer", "needs Ordering::Key")),
         };

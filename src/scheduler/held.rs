@@ -53,7 +53,7 @@ impl<M> Held<M> {
             free: VecDeque::with_capacity(capacity),
             parked: VecDeque::with_capacity(capacity),
             // Room for every key that can be held or in flight at once.
-            claims: Claims::with_room(capacity + concurrent),
+            claims: Claims::with_room(capacity.saturating_add(concurrent)),
             capacity,
         })
     }

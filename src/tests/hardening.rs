@@ -356,6 +356,49 @@ fn shutdown_closes_the_connection_after_a_consumer_an_unsubscribe_is_closing() {
     });
 }
 
+/// Sizes the scheduler's tables are built for are bounded: a concurrency
+/// or key buffer beyond them is refused by name, not a panic or an
+/// allocation that takes the process down.
+#[test]
+fn a_concurrency_or_key_buffer_too_large_to_hold_is_refused() {
+    let built = Dispatcher::builder()
+        .concurrency(crate::MAX_CONCURRENCY + 1)
+        .build(MemoryTransport::new());
+    assert!(
+        matches!(
+            &built,
+            Err(Error::InvalidOption {
+                option: "concurrency",
+                ..
+            })
+        ),
+        "{built:?}"
+    );
+    assert!(Dispatcher::builder()
+        .concurrency(crate::MAX_CONCURRENCY)
+        .build(MemoryTransport::new())
+        .is_ok());
+    run_local(async {
+        let (dispatcher, _transport) = dispatcher(1);
+        for size in [crate::MAX_KEY_BUFFER + 1, usize::MAX] {
+            let options = options(1).ordering(crate::Ordering::Key).key_buffer(size);
+            let refused = dispatcher
+                .subscribe("jobs", hangs_on_request, options)
+                .await;
+            assert!(
+                matches!(
+                    &refused,
+                    Err(Error::InvalidOption {
+                        option: "key_buffer",
+                        ..
+                    })
+                ),
+                "{size}: {refused:?}"
+            );
+        }
+    });
+}
+
 /// Reservations that take every permit would leave a level worse than
 /// all of them nothing, ever (and a shutdown waiting for its message
 /// forever): at least one permit stays unreserved.
