@@ -136,6 +136,7 @@ pub(crate) enum Received {
 struct ReceiveFailures {
     in_a_row: u32,
     since: Option<Instant>,
+    last_error: Option<Instant>,
     retry_at: Option<Instant>,
     last_logged: Option<Instant>,
     unlogged: u64,
@@ -147,6 +148,9 @@ const RECEIVE_RETRY_FIRST: Duration = Duration::from_millis(10);
 const RECEIVE_RETRY_MAX: Duration = Duration::from_secs(5);
 /// Receive errors in a row are logged at most this often.
 const RECEIVE_ERROR_LOG_INTERVAL: Duration = Duration::from_secs(10);
+/// The shortest quiet after a receive error that ends its spell (see
+/// `Subscription::still_failing`): twice the longest retry wait.
+const RECEIVE_QUIET_MIN: Duration = Duration::from_secs(10);
 
 impl<T: Transport> Subscription<T> {
     pub(crate) fn new(
@@ -292,6 +296,12 @@ impl<T: Transport> Subscription<T> {
     fn receive_failed(&self, error: &TransportError) -> Received {
         let now = Instant::now();
         let mut failures = self.failures.borrow_mut();
+        if !self.still_failing(&failures, now) {
+            // The last spell ended quietly (a consumer that works but has
+            // had nothing to deliver): this error starts a new one.
+            *failures = ReceiveFailures::default();
+        }
+        failures.last_error = Some(now);
         self.failing.set(true);
         failures.in_a_row = failures.in_a_row.saturating_add(1);
         let since = *failures.since.get_or_insert(now);
@@ -318,6 +328,20 @@ impl<T: Transport> Subscription<T> {
         let wait = (RECEIVE_RETRY_FIRST * 2u32.pow(doublings)).min(RECEIVE_RETRY_MAX);
         failures.retry_at = Some(now + wait);
         Received::RetryLater
+    }
+
+    /// Whether the errors recorded are a spell still going on at `now`.
+    /// While a consumer fails, an error follows each retry, at most
+    /// `RECEIVE_RETRY_MAX` apart (or the consumer's own retry, such as a
+    /// partition subscribing again); a consumer that has gone the longer of
+    /// the limit and `RECEIVE_QUIET_MIN` without one worked meanwhile, even
+    /// if no message came to show it. Without this, one old error and a
+    /// long idle time made the next error count as a failure all along.
+    fn still_failing(&self, failures: &ReceiveFailures, now: Instant) -> bool {
+        let quiet = self.receive_failure_limit.max(RECEIVE_QUIET_MIN);
+        failures
+            .last_error
+            .is_some_and(|last| now.saturating_duration_since(last) < quiet)
     }
 
     fn recovered(&self) {
@@ -508,7 +532,7 @@ impl<T: Transport> Subscription<T> {
     /// deadline.
     pub(crate) fn health(&self, now: Instant) -> SubscriptionHealth {
         self.note_received(self.counters.received.get(), now);
-        let failing = self.failing.get();
+        let failing = self.failing.get() && self.still_failing(&self.failures.borrow(), now);
         SubscriptionHealth {
             topic: self.info.topic.clone(),
             subscription: self.info.subscription.clone(),

@@ -428,6 +428,37 @@ fn reservations_must_leave_a_permit_unreserved() {
     assert!(built.is_ok(), "one of two reserved");
 }
 
+/// One receive error, then a consumer that works but has nothing to
+/// deliver for a long time: the next error, much later, starts a spell of
+/// its own rather than counting as a failure all along (which stopped the
+/// dispatcher at once), and health reports the idle consumer as receiving.
+#[test]
+fn an_old_receive_error_and_a_long_idle_time_are_not_a_long_failure() {
+    super::run_paused(async {
+        let (dispatcher, transport) = dispatcher(1);
+        transport.fail_receives("jobs", 1);
+        let limit = options(1).receive_failure_limit(Duration::from_secs(5));
+        dispatcher
+            .subscribe("jobs", hangs_on_request, limit)
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(dispatcher.stats().total().receive_errors, 1);
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        let health = dispatcher.health();
+        assert!(health.subscriptions[0].receiving, "{health:?}");
+        transport.fail_receives("jobs", 1);
+        let id = transport.send("jobs", "after one more error");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!run.is_finished(), "stopped: {:?}", run.await);
+        assert_eq!(transport.acked("jobs"), [id]);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
 /// Reservations that add up past `usize::MAX` are refused like any others
 /// above the concurrency limit, not a panic (an overflow in a debug build,
 /// a wrapped sum that passes the check in a release build).
