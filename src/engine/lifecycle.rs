@@ -209,8 +209,6 @@ impl<T: Transport> Engine<T> {
         self.woken.wake_engine();
     }
 
-    /// Makes a shutdown cancel the handlers still running after `limit`
-    /// (from now), unless an earlier deadline is set.
     /// Publishes every subscription's numbers to the metrics recorder.
     pub(super) fn publish_metrics(&self, now: Instant) {
         for subscription in self.all_subscriptions() {
@@ -220,6 +218,8 @@ impl<T: Transport> Engine<T> {
             .set(self.scheduler.borrow().available() as f64);
     }
 
+    /// Makes a shutdown cancel the handlers still running after `limit`
+    /// (from now), unless an earlier deadline is set.
     fn shorten_stop_deadline(&self, limit: Duration) {
         self.timers_changed.set(true);
         let deadline = Instant::now() + limit;

@@ -77,6 +77,14 @@ impl SubscriptionMetrics {
         self.in_flight.set(stats.in_flight as f64);
         self.slot_occupied.set(stats.waiting as f64);
     }
+
+    /// Publishes the counters a last time under these labels and zeroes
+    /// the gauges, whose values now count under the new labels.
+    pub(crate) fn retire(&self, stats: &SubscriptionStats) {
+        self.publish(stats);
+        self.in_flight.set(0.0);
+        self.slot_occupied.set(0.0);
+    }
 }
 
 /// The dispatcher-wide gauge.

@@ -261,6 +261,11 @@ impl<T: Transport> Engine<T> {
         }
         subscription.send_held_nacks();
         subscription.close().await;
+        if self.metrics_interval.is_some() {
+            // Its last numbers: what it counted since the last tick would
+            // otherwise never reach the recorder.
+            subscription.publish(&self.stats_of(&subscription), Instant::now());
+        }
         if self.phase() != Phase::Closed {
             let removed = self
                 .scheduler

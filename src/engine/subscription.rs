@@ -501,10 +501,11 @@ impl<T: Transport> Subscription<T> {
     }
 
     /// Registers its metrics again, labelled with its new `priority`,
-    /// after publishing `stats` (taken before the change) to the old ones.
+    /// after publishing `stats` (taken before the change) to the old ones
+    /// and zeroing their gauges.
     pub(crate) fn relabel(&self, priority: i64, stats: &SubscriptionStats) {
         let mut metrics = self.metrics.borrow_mut();
-        metrics.publish(stats);
+        metrics.retire(stats);
         *metrics = SubscriptionMetrics::register(
             &self.info.topic,
             self.info.subscription.as_deref(),

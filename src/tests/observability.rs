@@ -320,21 +320,7 @@ fn a_priority_change_starts_new_series_that_count_from_zero() {
         dispatcher.close().await;
         run.await.unwrap().unwrap();
     });
-    let succeeded: Vec<(String, DebugValue)> = snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .filter(|(key, ..)| key.key().name() == "pulsar_dispatcher_messages_succeeded_total")
-        .map(|(key, _, _, value)| {
-            let priority = key
-                .key()
-                .labels()
-                .find(|label| label.key() == "priority")
-                .map(|label| label.value().to_owned())
-                .unwrap();
-            (priority, value)
-        })
-        .collect();
+    let succeeded = by_priority(&snapshotter, "pulsar_dispatcher_messages_succeeded_total");
     let at = |priority: &str| {
         succeeded
             .iter()
@@ -344,4 +330,105 @@ fn a_priority_change_starts_new_series_that_count_from_zero() {
     };
     assert_eq!(*at("1"), DebugValue::Counter(2));
     assert_eq!(*at("5"), DebugValue::Counter(3));
+}
+
+/// The values of metric `name`, each with its priority label.
+fn by_priority(
+    snapshotter: &metrics_util::debugging::Snapshotter,
+    name: &str,
+) -> Vec<(String, DebugValue)> {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| key.key().name() == name)
+        .map(|(key, _, _, value)| {
+            let priority = key
+                .key()
+                .labels()
+                .find(|label| label.key() == "priority")
+                .map(|label| label.value().to_owned())
+                .unwrap_or_default();
+            (priority, value)
+        })
+        .collect()
+}
+
+/// The sum of a gauge's series.
+fn gauge_sum(series: &[(String, DebugValue)]) -> f64 {
+    series
+        .iter()
+        .map(|(_, value)| match value {
+            DebugValue::Gauge(gauge) => gauge.0,
+            _ => 0.0,
+        })
+        .sum()
+}
+
+/// After a priority change, the gauges under the old priority are zeroed:
+/// what runs and waits counts under the new one, and summing a gauge over
+/// priorities stays true.
+#[test]
+fn a_priority_change_zeroes_the_old_series_gauges() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let gate = Gate::default();
+        let jobs = dispatcher
+            .subscribe("jobs", gated(&gate), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.send("jobs", "running");
+        transport.send("jobs", "waiting");
+        settle_down().await;
+        jobs.set_priority(5).unwrap();
+        gate.open();
+        transport.wait_acked("jobs", 2).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+    let in_flight = by_priority(&snapshotter, "pulsar_dispatcher_in_flight");
+    let waiting = by_priority(&snapshotter, "pulsar_dispatcher_slot_occupied");
+    assert_eq!(in_flight.len(), 2, "{in_flight:?}");
+    assert_eq!(
+        (gauge_sum(&in_flight), gauge_sum(&waiting)),
+        (0.0, 0.0),
+        "nothing runs or waits after close: {in_flight:?} {waiting:?}"
+    );
+}
+
+/// An unsubscribed subscription's last numbers reach the recorder, though
+/// the next metrics tick would have come long after it was gone.
+#[test]
+fn an_unsubscribed_subscriptions_last_numbers_reach_the_recorder() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(1)
+            .metrics_interval(Some(Duration::from_secs(3600)))
+            .build(transport.clone())
+            .unwrap();
+        let jobs = dispatcher
+            .subscribe("jobs", outcome_by_payload, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        for _ in 0..3 {
+            transport.send("jobs", "ok");
+        }
+        transport.wait_acked("jobs", 3).await;
+        dispatcher.unsubscribe(jobs).await.unwrap();
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+    let succeeded = by_priority(&snapshotter, "pulsar_dispatcher_messages_succeeded_total");
+    assert_eq!(succeeded, [("1".to_owned(), DebugValue::Counter(3))]);
 }
