@@ -552,15 +552,27 @@ impl<T: Transport> Subscription<T> {
         }
     }
 
-    /// Notes a handler that must finish by `deadline`.
-    pub(crate) fn started_with_deadline(&self, deadline: Instant) {
+    /// Notes a handler that must finish by `deadline`, until the guard it
+    /// returns is dropped (however the handler's run ends).
+    pub(crate) fn watch_deadline(&self, deadline: Instant) -> WatchedDeadline<'_> {
         self.deadlines.borrow_mut().push(deadline);
+        WatchedDeadline {
+            deadlines: &self.deadlines,
+            deadline,
+        }
     }
+}
 
-    /// Notes that the handler due by `deadline` has finished.
-    pub(crate) fn finished_with_deadline(&self, deadline: Instant) {
+/// A handler's processing deadline, counted by health until dropped.
+pub(crate) struct WatchedDeadline<'a> {
+    deadlines: &'a RefCell<Vec<Instant>>,
+    deadline: Instant,
+}
+
+impl Drop for WatchedDeadline<'_> {
+    fn drop(&mut self) {
         let mut deadlines = self.deadlines.borrow_mut();
-        if let Some(at) = deadlines.iter().position(|d| *d == deadline) {
+        if let Some(at) = deadlines.iter().position(|d| *d == self.deadline) {
             deadlines.swap_remove(at);
         }
     }

@@ -163,7 +163,9 @@ where
             (Some(span), None) => Some(handle().instrument(span.clone()).await),
             (span, Some(limit)) => {
                 let deadline = Instant::now() + limit;
-                subscription.started_with_deadline(deadline);
+                // Also when the worker is cancelled (at the shutdown
+                // deadline) while the handler runs.
+                let _watched = subscription.watch_deadline(deadline);
                 let handled = match span {
                     None => tokio::time::timeout_at(deadline, handle()).await,
                     Some(span) => {
@@ -171,7 +173,6 @@ where
                         tokio::time::timeout_at(deadline, handled).await
                     }
                 };
-                subscription.finished_with_deadline(deadline);
                 handled.ok()
             }
         };

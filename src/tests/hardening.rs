@@ -459,6 +459,29 @@ fn an_old_receive_error_and_a_long_idle_time_are_not_a_long_failure() {
     });
 }
 
+/// A handler cancelled at the shutdown deadline, while its processing
+/// deadline is still ahead, is not left behind in health as overdue.
+#[test]
+fn a_handler_cancelled_at_shutdown_is_not_reported_overdue_later() {
+    super::run_paused(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let timeout = options(1).processing_timeout(Duration::from_millis(200));
+        dispatcher
+            .subscribe("jobs", hangs_on_request, timeout)
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.send("jobs", "hang");
+        settle_down().await;
+        assert_eq!(dispatcher.close_within(Duration::from_millis(20)).await, 1);
+        let _cancelled = run.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let health = dispatcher.health();
+        assert_eq!(health.overdue_handlers(), 0, "{health:?}");
+    });
+}
+
 /// Reservations that add up past `usize::MAX` are refused like any others
 /// above the concurrency limit, not a panic (an overflow in a debug build,
 /// a wrapped sum that passes the check in a release build).
