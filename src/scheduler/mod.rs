@@ -523,15 +523,20 @@ impl<M> Scheduler<M> {
         next
     }
 
-    /// The level whose next message has the best priority once improved by
-    /// its wait. Only levels within the largest boost of the best level can
-    /// win, so only those are looked at.
+    /// Among the levels within `max_boost` of the best ready one, the level
+    /// whose next message has the best priority once lowered by its wait,
+    /// without limit (ties go to the better level). Priority so works as a
+    /// delay: a message goes before the better levels' messages that came
+    /// more than the priority difference (in seconds of aging) after it. A
+    /// wait counted only up to `max_boost` let a better level's backlog,
+    /// whose messages age too, hold a worse level back for good.
     fn most_aged(&self, best: usize, aging: &Aging, now: Instant) -> usize {
-        let mut chosen = (best, i64::MAX);
+        let reach = self.levels[best].priority.saturating_add(aging.max_boost());
+        let mut chosen = (best, f64::INFINITY);
         let mut next = Some(best);
         while let Some(index) = next {
             let level = &self.levels[index];
-            if level.priority.saturating_sub(aging.max_boost()) >= chosen.1 {
+            if level.priority > reach {
                 break;
             }
             let head = level.ready.front().expect("a ready level has a head");
@@ -539,7 +544,7 @@ impl<M> Scheduler<M> {
                 .held
                 .next_since()
                 .map_or(Duration::ZERO, |since| now.saturating_duration_since(since));
-            let effective = level.priority.saturating_sub(aging.boost(waited));
+            let effective = level.priority as f64 - aging.points(waited);
             if effective < chosen.1 {
                 chosen = (index, effective);
             }

@@ -76,8 +76,9 @@ impl Weights {
 }
 
 /// The aging of [`SchedulingPolicy::Aging`]: a message that has waited `w`
-/// competes as if its priority value were lower by
-/// `min(max_boost, w × per_second)`.
+/// competes as if its priority value were lower by `w × per_second`,
+/// against the levels within `max_boost` of the best level with work (so
+/// it overtakes at most [`boost`](Self::boost) points of priority).
 ///
 /// ```
 /// use std::time::Duration;
@@ -109,7 +110,8 @@ impl Aging {
         }
     }
 
-    /// How much a wait of `waited` improves a priority value.
+    /// How many points of priority a message that has waited `waited` can
+    /// overtake (of fresh messages): `min(max_boost, waited × per_second)`.
     pub fn boost(&self, waited: Duration) -> i64 {
         let points = waited.as_secs_f64() * self.per_second;
         if points >= self.max_boost as f64 {
@@ -119,7 +121,13 @@ impl Aging {
         }
     }
 
-    /// The largest boost.
+    /// A wait in priority points, without limit.
+    pub(super) fn points(&self, waited: Duration) -> f64 {
+        waited.as_secs_f64() * self.per_second
+    }
+
+    /// The largest boost: a level further than this from the best level
+    /// with work is never served before it.
     pub fn max_boost(&self) -> i64 {
         self.max_boost
     }
