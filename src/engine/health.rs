@@ -89,7 +89,7 @@ impl<T: Transport> Engine<T> {
                 .iter()
                 .map(|subscription| subscription.health(now))
                 .collect(),
-            in_flight: self.scheduler.borrow().in_flight(),
+            in_flight: self.scheduler.borrow().running(),
         }
     }
 }

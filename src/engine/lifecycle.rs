@@ -254,7 +254,7 @@ impl<T: Transport> Engine<T> {
                 self.drained.notify_waiters();
             }
         }
-        let running = self.scheduler.borrow().in_flight();
+        let running = self.scheduler.borrow().running();
         warn!(
             running,
             "shutdown deadline passed; cancelling the handlers still running"

@@ -193,7 +193,7 @@ impl<T: Transport> Engine<T> {
         let scheduler = self.scheduler.borrow();
         DispatcherStats {
             subscriptions,
-            in_flight: scheduler.in_flight(),
+            in_flight: scheduler.running(),
             waiting: scheduler.waiting(),
             concurrency: scheduler.in_flight() + scheduler.available(),
         }

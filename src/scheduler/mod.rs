@@ -173,6 +173,8 @@ pub struct Scheduler<M> {
     ready_levels: Vec<u64>,
     concurrency: usize,
     available: usize,
+    /// Permits taken by [`Scheduler::hold`], without a message.
+    held: usize,
     /// Messages held, across all subscriptions.
     waiting: usize,
     closed: bool,
@@ -214,6 +216,7 @@ impl<M> Scheduler<M> {
             ready_levels: Vec::new(),
             concurrency: concurrency.get(),
             available: concurrency.get(),
+            held: 0,
             waiting: 0,
             closed: false,
             policy,
@@ -440,6 +443,7 @@ impl<M> Scheduler<M> {
             return None;
         }
         self.available -= 1;
+        self.held += 1;
         Some(HeldPermit(()))
     }
 
@@ -448,12 +452,19 @@ impl<M> Scheduler<M> {
         let HeldPermit(()) = held;
         assert!(self.available < self.concurrency, "permit given back twice");
         self.available += 1;
+        self.held -= 1;
     }
 
     /// Number of permits taken: by dispatched messages whose processing has
     /// not ended, and held ones.
     pub fn in_flight(&self) -> usize {
         self.concurrency - self.available
+    }
+
+    /// Number of dispatched messages whose processing has not ended: the
+    /// permits taken, less the held ones.
+    pub fn running(&self) -> usize {
+        self.in_flight() - self.held
     }
 
     /// Number of permits free.

@@ -432,3 +432,48 @@ fn an_unsubscribed_subscriptions_last_numbers_reach_the_recorder() {
     let succeeded = by_priority(&snapshotter, "pulsar_dispatcher_messages_succeeded_total");
     assert_eq!(succeeded, [("1".to_owned(), DebugValue::Counter(3))]);
 }
+
+/// The handlers running, as stats and health report them, are the
+/// subscriptions' in-flight handlers: not the permits a worker keeps while
+/// it steps aside for the runtime between two messages. A monitor task
+/// compares the three at every turn while 200 quick handlers run.
+#[test]
+fn handlers_running_leave_out_permits_kept_between_messages() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        for _ in 0..200 {
+            transport.send("jobs", "ok");
+        }
+        dispatcher
+            .subscribe("jobs", outcome_by_payload, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let disagreed = Rc::new(std::cell::RefCell::new(Vec::new()));
+        let monitor = {
+            let (dispatcher, disagreed) = (dispatcher.clone(), disagreed.clone());
+            tokio::task::spawn_local(async move {
+                for _ in 0..2000 {
+                    let stats = dispatcher.stats();
+                    let health = dispatcher.health();
+                    let by_subscription = stats.total().in_flight;
+                    if stats.in_flight != by_subscription || health.in_flight != by_subscription {
+                        let seen = (stats.in_flight, health.in_flight, by_subscription);
+                        disagreed.borrow_mut().push(seen);
+                    }
+                    tokio::task::yield_now().await;
+                }
+            })
+        };
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("jobs", 200).await;
+        monitor.await.unwrap();
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(
+            *disagreed.borrow(),
+            [],
+            "(stats, health, sum over subscriptions)"
+        );
+    });
+}
