@@ -259,6 +259,9 @@ impl<T: Transport> Subscription<T> {
         // between here and there changes it.
         let failing = self.failing.get();
         if failing {
+            if let Some(failure) = self.failing_too_long(Instant::now()) {
+                return Received::Failed(failure);
+            }
             let retry_at = self.failures.borrow().retry_at;
             if retry_at.is_some_and(|retry_at| Instant::now() < retry_at) {
                 return Received::Nothing;
@@ -273,7 +276,9 @@ impl<T: Transport> Subscription<T> {
             Poll::Pending => Received::Nothing,
             Poll::Ready(Some(Ok(()))) => {
                 bump(&self.counters.received);
-                if failing {
+                // A message from one partition says nothing of another
+                // that is being subscribed again.
+                if failing && self.consumer_failing_since().is_none() {
                     self.recovered();
                 }
                 Received::Stored
@@ -344,6 +349,30 @@ impl<T: Transport> Subscription<T> {
             .is_some_and(|last| now.saturating_duration_since(last) < quiet)
     }
 
+    /// Since when part of the consumer (a partition being subscribed
+    /// again) has not been delivering, if it is so now.
+    fn consumer_failing_since(&self) -> Option<Instant> {
+        self.consumer
+            .borrow()
+            .as_ref()
+            .and_then(Consumer::failing_since)
+    }
+
+    /// The failure to stop with, once part of the consumer has not been
+    /// delivering for the limit, however well the rest delivers.
+    fn failing_too_long(&self, now: Instant) -> Option<Error> {
+        let failing_for = now.saturating_duration_since(self.consumer_failing_since()?);
+        if failing_for < self.receive_failure_limit {
+            return None;
+        }
+        warn!(topic = %self.topic, ?failing_for, "part of the topic (a partition being subscribed again) keeps failing; stopping");
+        Some(Error::ConsumerFailing {
+            topic: self.info.topic.clone(),
+            failing_for,
+            last_error: "a partition has not been subscribed again".into(),
+        })
+    }
+
     fn recovered(&self) {
         self.failing.set(false);
         let failures = std::mem::take(&mut *self.failures.borrow_mut());
@@ -410,17 +439,28 @@ impl<T: Transport> Subscription<T> {
         let retry_at = match retry_at {
             Some(at) if at <= now => {
                 self.failures.borrow_mut().retry_at = None;
-                // Listed again, so that the next dispatch polls it.
-                self.waker_state.unlist();
-                self.wake();
+                self.poll_soon();
                 None
             }
             other => other,
         };
-        match (next_nack, retry_at) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (next, None) | (None, next) => next,
-        }
+        // While part of the consumer fails, its limit is watched here too:
+        // no error may come to have it checked (a subscribe that hangs).
+        let limit_at = match self.failing.get().then(|| self.consumer_failing_since()) {
+            Some(Some(since)) if since + self.receive_failure_limit <= now => {
+                self.poll_soon();
+                None
+            }
+            Some(Some(since)) => Some(since + self.receive_failure_limit),
+            _ => None,
+        };
+        [next_nack, retry_at, limit_at].into_iter().flatten().min()
+    }
+
+    /// Lists it again, so that the next dispatch polls its consumer.
+    fn poll_soon(&self) {
+        self.waker_state.unlist();
+        self.wake();
     }
 
     /// Sends every held nack at once (shutdown does not wait for delays).
@@ -533,7 +573,9 @@ impl<T: Transport> Subscription<T> {
     /// deadline.
     pub(crate) fn health(&self, now: Instant) -> SubscriptionHealth {
         self.note_received(self.counters.received.get(), now);
-        let failing = self.failing.get() && self.still_failing(&self.failures.borrow(), now);
+        let failing = self.failing.get()
+            && (self.still_failing(&self.failures.borrow(), now)
+                || self.consumer_failing_since().is_some());
         SubscriptionHealth {
             topic: self.info.topic.clone(),
             subscription: self.info.subscription.clone(),

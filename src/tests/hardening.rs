@@ -482,6 +482,59 @@ fn a_handler_cancelled_at_shutdown_is_not_reported_overdue_later() {
     });
 }
 
+/// A consumer part of which has stopped delivering (a partition being
+/// subscribed again, after its stream ended with an error) stops the
+/// dispatcher at the receive failure limit: also when the other parts
+/// deliver all along (each message used to count as a recovery), and also
+/// when no further error comes (a subscribe that hangs).
+#[test]
+fn a_partition_that_stays_down_stops_the_dispatcher_at_the_limit() {
+    for others_deliver in [true, false] {
+        super::run_paused(async {
+            let transport = Hooked::default();
+            let memory = transport.inner.clone();
+            let dispatcher = Dispatcher::builder()
+                .concurrency(1)
+                .build(transport.clone())
+                .unwrap();
+            let limit = options(1).receive_failure_limit(Duration::from_secs(5));
+            dispatcher
+                .subscribe("jobs", hangs_on_request, limit)
+                .await
+                .unwrap();
+            memory.fail_receives("jobs", 1);
+            transport.part_failing_since(Some(tokio::time::Instant::now()));
+            let dispatcher = Rc::new(dispatcher);
+            let run = spawn_run(&dispatcher);
+            for second in 0..20 {
+                if others_deliver {
+                    memory.send("jobs", format!("{second}"));
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if second == 2 {
+                    let health = dispatcher.health();
+                    assert!(!health.subscriptions[0].receiving, "{health:?}");
+                }
+                if run.is_finished() {
+                    break;
+                }
+            }
+            let ended = run.await.unwrap();
+            assert!(
+                matches!(&ended, Err(Error::ConsumerFailing { failing_for, .. })
+                    if *failing_for >= Duration::from_secs(5) && *failing_for < Duration::from_secs(7)),
+                "others deliver: {others_deliver}: {ended:?}"
+            );
+            if others_deliver {
+                assert!(
+                    memory.acked("jobs").len() >= 4,
+                    "the others delivered meanwhile"
+                );
+            }
+        });
+    }
+}
+
 /// Reservations that add up past `usize::MAX` are refused like any others
 /// above the concurrency limit, not a panic (an overflow in a debug build,
 /// a wrapped sum that passes the check in a release build).

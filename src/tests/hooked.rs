@@ -1,6 +1,7 @@
 //! The in-memory transport with hooks for what it cannot do itself: acks
-//! that panic (a bug in the dispatcher's own path after a handler) and
-//! consumer closes that take a while; it logs the closes, in order.
+//! that panic (a bug in the dispatcher's own path after a handler),
+//! consumer closes that take a while, and a part of the consumer (a
+//! partition) that has stopped delivering; it logs the closes, in order.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -15,6 +16,7 @@ pub(super) struct Hooked {
     pub(super) inner: MemoryTransport,
     acks_panic: Rc<Cell<bool>>,
     close_takes: Rc<Cell<Duration>>,
+    part_failing_since: Rc<Cell<Option<tokio::time::Instant>>>,
     /// "consumer <topic> closed" and "transport closed", as they happen.
     pub(super) closes: Rc<RefCell<Vec<String>>>,
 }
@@ -28,6 +30,11 @@ impl Hooked {
     pub(super) fn consumer_close_takes(self, time: Duration) -> Self {
         self.close_takes.set(time);
         self
+    }
+
+    /// Every consumer reports part of itself failing since `since`.
+    pub(super) fn part_failing_since(&self, since: Option<tokio::time::Instant>) {
+        self.part_failing_since.set(since);
     }
 }
 
@@ -77,6 +84,10 @@ impl Consumer for HookedConsumer {
 
     fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
         self.inner.nack(id)
+    }
+
+    fn failing_since(&self) -> Option<tokio::time::Instant> {
+        self.hooks.part_failing_since.get()
     }
 
     async fn close(&mut self) -> Result<(), TransportError> {

@@ -217,6 +217,15 @@ pub trait Consumer: 'static {
     fn repairs(&self) -> Repairs {
         Repairs::default()
     }
+
+    /// Since when part of what the consumer consumes has not been
+    /// delivering (a partition being subscribed again), if it is so now;
+    /// `None` for a transport without parts. Messages from the other parts
+    /// do not show the consumer healthy meanwhile: the dispatcher holds
+    /// this against the subscription's `receive_failure_limit` too.
+    fn failing_since(&self) -> Option<tokio::time::Instant> {
+        None
+    }
 }
 
 /// What a consumer did on its own, beyond what it was asked, to keep

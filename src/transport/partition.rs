@@ -207,6 +207,8 @@ pub(super) struct Partition {
     state: State,
     /// Settlements made while the consumer is being replaced: (id, ack?).
     pending: Vec<(MessageIdData, bool)>,
+    /// When its stream ended, while it is being subscribed again.
+    resubscribing_since: Option<tokio::time::Instant>,
     subscriber: Rc<Subscriber>,
 }
 
@@ -222,6 +224,7 @@ impl Partition {
             topic: Rc::from(topic),
             state: State::Open(Box::new(consumer)),
             pending: Vec::new(),
+            resubscribing_since: None,
             subscriber,
         }
     }
@@ -253,6 +256,7 @@ impl Partition {
                     Poll::Ready(Ok(consumer)) => {
                         info!(topic = %self.topic, "subscribed again");
                         self.state = State::Open(Box::new(consumer));
+                        self.resubscribing_since = None;
                         self.send_pending();
                     }
                     Poll::Ready(Err(error)) => {
@@ -264,7 +268,14 @@ impl Partition {
         }
     }
 
+    /// When its stream ended, while it is being subscribed again.
+    pub(super) fn resubscribing_since(&self) -> Option<tokio::time::Instant> {
+        self.resubscribing_since
+    }
+
     fn resubscribe(&mut self, after: Duration) {
+        self.resubscribing_since
+            .get_or_insert_with(tokio::time::Instant::now);
         let (subscriber, topic) = (self.subscriber.clone(), self.topic.clone());
         self.state = State::Resubscribing(Box::pin(async move {
             tokio::time::sleep(after).await;

@@ -451,6 +451,13 @@ impl Consumer for PulsarConsumer {
         close_partitions(&mut self.partitions).await
     }
 
+    fn failing_since(&self) -> Option<tokio::time::Instant> {
+        self.partitions
+            .iter()
+            .filter_map(Partition::resubscribing_since)
+            .min()
+    }
+
     fn repairs(&self) -> Repairs {
         let (rewinds_repeated, dropped_in_flight) =
             self.rewinds.as_ref().map_or((0, 0), |rewinds| {
