@@ -166,14 +166,22 @@ where
                 // Also when the worker is cancelled (at the shutdown
                 // deadline) while the handler runs.
                 let _watched = subscription.watch_deadline(deadline);
-                let handled = match span {
-                    None => tokio::time::timeout_at(deadline, handle()).await,
-                    Some(span) => {
-                        let handled = handle().instrument(span.clone());
-                        tokio::time::timeout_at(deadline, handled).await
+                // Under a panic guard of its own too: a handler past its
+                // deadline is dropped as the timeout completes, and a
+                // panic in that drop is the handler's, not the worker's.
+                let timed = async {
+                    match span {
+                        None => tokio::time::timeout_at(deadline, handle()).await,
+                        Some(span) => {
+                            let handled = handle().instrument(span.clone());
+                            tokio::time::timeout_at(deadline, handled).await
+                        }
                     }
                 };
-                handled.ok()
+                match AssertUnwindSafe(timed).catch_unwind().await {
+                    Ok(handled) => handled.ok(),
+                    Err(panic) => Some(Err(panic)),
+                }
             }
         };
         if let (Some(since), Some(started)) = (since, started) {

@@ -535,6 +535,53 @@ fn a_partition_that_stays_down_stops_the_dispatcher_at_the_limit() {
     }
 }
 
+/// A handler past its processing deadline whose drop panics (a value it
+/// holds panics in `Drop`) is the handler's panic: its message is nacked
+/// as a panicked one, the worker goes on, and health does not keep it as
+/// overdue.
+#[test]
+fn a_handler_whose_drop_panics_at_its_deadline_counts_as_panicked() {
+    struct PanicsOnDrop;
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("a panic in drop");
+        }
+    }
+    super::run_paused(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let timeout = options(1)
+            .processing_timeout(Duration::from_millis(20))
+            .negative_ack_redelivery_delay(Duration::from_secs(3600));
+        let handler = async |message: &Message| {
+            if message.payload() == b"bomb" {
+                let _held = PanicsOnDrop;
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, Infallible>(())
+        };
+        let jobs = dispatcher
+            .subscribe("jobs", handler, timeout)
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        let bomb = transport.send("jobs", "bomb");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        transport.send("jobs", "after");
+        transport.wait_acked("jobs", 1).await;
+        let stats = jobs.stats().unwrap();
+        assert_eq!(
+            (stats.panicked, stats.deadline_exceeded),
+            (1, 0),
+            "{stats:?}"
+        );
+        assert_eq!(dispatcher.health().overdue_handlers(), 0);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(transport.nacked("jobs"), [bomb], "held, sent at shutdown");
+    });
+}
+
 /// Reservations that add up past `usize::MAX` are refused like any others
 /// above the concurrency limit, not a panic (an overflow in a debug build,
 /// a wrapped sum that passes the check in a release build).
