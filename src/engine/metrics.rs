@@ -10,7 +10,8 @@
 //!
 //! A priority change starts new series (the priority is a label): the old
 //! ones keep what happened at the old priority, and the new ones count from
-//! zero, so that summing over priorities gives the subscription's totals.
+//! zero (or, back at an earlier priority, on from what its series show),
+//! so that summing over priorities gives the subscription's totals.
 
 use metrics::{Counter, Gauge, Histogram, Label};
 
@@ -33,17 +34,60 @@ pub(crate) struct SubscriptionMetrics {
     slot_occupied: Gauge,
     pub(crate) slot_wait: Histogram,
     pub(crate) handler_duration: Histogram,
+    priority: i64,
+    /// What the series of each priority left behind show, for a return to
+    /// one of them.
+    shown_before: Vec<(i64, Vec<u64>)>,
 }
 
 impl SubscriptionMetrics {
     /// Registers the metrics of a subscription, labelled with its topic,
     /// subscription name and priority.
-    /// `baseline` holds the counts the new series start from, if any.
-    pub(crate) fn register(
+    pub(crate) fn register(topic: &str, subscription: Option<&str>, priority: i64) -> Self {
+        let baseline = vec![0; SubscriptionStats::default().counter_values().count()];
+        Self::with_baseline(topic, subscription, priority, baseline)
+    }
+
+    /// Registers the series of the subscription's new `priority`, after
+    /// publishing `stats` (taken before the change) to the old ones: they
+    /// count from what they showed before, or from zero.
+    pub(crate) fn relabel(
+        &mut self,
         topic: &str,
         subscription: Option<&str>,
         priority: i64,
-        baseline: Option<&SubscriptionStats>,
+        stats: &SubscriptionStats,
+    ) {
+        self.retire(stats);
+        let counts: Vec<u64> = stats.counter_values().map(|(_, value)| value).collect();
+        let shown = counts
+            .iter()
+            .zip(&self.baseline)
+            .map(|(count, base)| count.saturating_sub(*base))
+            .collect();
+        let mut shown_before = std::mem::take(&mut self.shown_before);
+        shown_before.retain(|(earlier, _)| *earlier != self.priority);
+        shown_before.push((self.priority, shown));
+        let baseline = match shown_before
+            .iter()
+            .find(|(earlier, _)| *earlier == priority)
+        {
+            Some((_, shown)) => counts
+                .iter()
+                .zip(shown)
+                .map(|(count, shown)| count.saturating_sub(*shown))
+                .collect(),
+            None => counts,
+        };
+        *self = Self::with_baseline(topic, subscription, priority, baseline);
+        self.shown_before = shown_before;
+    }
+
+    fn with_baseline(
+        topic: &str,
+        subscription: Option<&str>,
+        priority: i64,
+        baseline: Vec<u64>,
     ) -> Self {
         let labels = [
             Label::new("topic", topic.to_owned()),
@@ -54,10 +98,6 @@ impl SubscriptionMetrics {
             .counter_values()
             .map(|(name, _)| metrics::counter!(name, labels.iter()))
             .collect();
-        let baseline = match baseline {
-            Some(stats) => stats.counter_values().map(|(_, value)| value).collect(),
-            None => vec![0; SubscriptionStats::default().counter_values().count()],
-        };
         SubscriptionMetrics {
             counters,
             baseline,
@@ -65,6 +105,8 @@ impl SubscriptionMetrics {
             slot_occupied: metrics::gauge!(SLOT_OCCUPIED, labels.iter()),
             slot_wait: metrics::histogram!(SLOT_WAIT, labels.iter()),
             handler_duration: metrics::histogram!(HANDLER_DURATION, labels.iter()),
+            priority,
+            shown_before: Vec::new(),
         }
     }
 
@@ -80,7 +122,7 @@ impl SubscriptionMetrics {
 
     /// Publishes the counters a last time under these labels and zeroes
     /// the gauges, whose values now count under the new labels.
-    pub(crate) fn retire(&self, stats: &SubscriptionStats) {
+    fn retire(&self, stats: &SubscriptionStats) {
         self.publish(stats);
         self.in_flight.set(0.0);
         self.slot_occupied.set(0.0);

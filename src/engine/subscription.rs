@@ -191,7 +191,6 @@ impl<T: Transport> Subscription<T> {
                 &info_topic,
                 info_subscription.as_deref(),
                 spec.scheduling.priority,
-                None,
             )),
             timings: timings.then(Timings::default),
             last_received: Cell::new((0, None)),
@@ -544,13 +543,11 @@ impl<T: Transport> Subscription<T> {
     /// after publishing `stats` (taken before the change) to the old ones
     /// and zeroing their gauges.
     pub(crate) fn relabel(&self, priority: i64, stats: &SubscriptionStats) {
-        let mut metrics = self.metrics.borrow_mut();
-        metrics.retire(stats);
-        *metrics = SubscriptionMetrics::register(
+        self.metrics.borrow_mut().relabel(
             &self.info.topic,
             self.info.subscription.as_deref(),
             priority,
-            Some(stats),
+            stats,
         );
     }
 

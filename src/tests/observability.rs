@@ -477,3 +477,44 @@ fn handlers_running_leave_out_permits_kept_between_messages() {
         );
     });
 }
+
+/// Back at an earlier priority, its series count on from what they show:
+/// summing over priorities still gives the totals (2 at priority 1, 3 at
+/// priority 5, then 1 more at priority 1: 3 and 3, not 2 and 3).
+#[test]
+fn a_return_to_an_earlier_priority_counts_on_in_its_series() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let jobs = dispatcher
+            .subscribe("jobs", outcome_by_payload, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        let handle = async |count: usize, acked: usize| {
+            for _ in 0..count {
+                transport.send("jobs", "ok");
+            }
+            transport.wait_acked("jobs", acked).await;
+        };
+        handle(2, 2).await;
+        jobs.set_priority(5).unwrap();
+        handle(3, 5).await;
+        jobs.set_priority(1).unwrap();
+        handle(1, 6).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+    let mut succeeded = by_priority(&snapshotter, "pulsar_dispatcher_messages_succeeded_total");
+    succeeded.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        succeeded,
+        [
+            ("1".to_owned(), DebugValue::Counter(3)),
+            ("5".to_owned(), DebugValue::Counter(3))
+        ]
+    );
+}
