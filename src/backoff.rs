@@ -51,16 +51,21 @@ pub fn exponential_backoff(
 }
 
 fn exponential(initial: Duration, multiplier: f64, maximum: Duration, retry: u32) -> Duration {
-    // Past this exponent every multiplier above 1 has reached any maximum a
-    // Duration can hold, so capping it bounds the work without changing
-    // the result.
-    let exponent = retry.saturating_sub(1).min(1100) as i32;
-    let seconds = initial.as_secs_f64() * multiplier.powi(exponent);
-    if seconds >= maximum.as_secs_f64() {
-        maximum
-    } else {
-        Duration::from_secs_f64(seconds)
+    if initial.is_zero() || multiplier == 1.0 {
+        return initial;
     }
+    let exponent = retry.saturating_sub(1);
+    // Whether the delay reaches the maximum, compared in logarithms, which
+    // no retry number overflows (a power computed directly overflows to
+    // infinity, and a zero start times infinity is not a number).
+    let log_seconds = initial.as_secs_f64().ln() + f64::from(exponent) * multiplier.ln();
+    if log_seconds >= maximum.as_secs_f64().ln() {
+        return maximum;
+    }
+    // Below the maximum, so the power is finite and the exponent small:
+    // at least 1 + 2^-52 per retry, 2^31 retries would pass any Duration.
+    let seconds = initial.as_secs_f64() * multiplier.powi(exponent as i32);
+    Duration::from_secs_f64(seconds).min(maximum)
 }
 
 /// A backoff curve as stored in the options.
@@ -100,6 +105,32 @@ mod tests {
         assert_eq!(slow(u32::MAX), Duration::ZERO);
         let big = exponential_backoff(Duration::from_secs(1), 1e10, Duration::MAX).unwrap();
         assert_eq!(big(u32::MAX), Duration::MAX);
+    }
+
+    #[test]
+    fn curves_at_their_edges_neither_panic_nor_flatten_early() {
+        // A zero start stays zero, whatever the retry (it was 0 × ∞).
+        let from_zero = exponential_backoff(Duration::ZERO, 2.0, Duration::from_secs(10)).unwrap();
+        assert_eq!(from_zero(1025), Duration::ZERO);
+        assert_eq!(from_zero(u32::MAX), Duration::ZERO);
+        // An infinite multiplier: the start, then the maximum.
+        let steep = exponential_backoff(
+            Duration::from_secs(1),
+            f64::INFINITY,
+            Duration::from_secs(9),
+        )
+        .unwrap();
+        assert_eq!(
+            (steep(1), steep(2)),
+            (Duration::from_secs(1), Duration::from_secs(9))
+        );
+        // A multiplier near 1 keeps growing past retry 1,100 (an exponent
+        // cap there flattened it at 3.0 s).
+        let gentle =
+            exponential_backoff(Duration::from_secs(1), 1.001, Duration::from_secs(300)).unwrap();
+        let at_2000 = gentle(2000).as_secs_f64();
+        assert!((at_2000 - 1.001f64.powi(1999)).abs() < 1e-6, "{at_2000}");
+        assert_eq!(gentle(u32::MAX), Duration::from_secs(300));
     }
 
     #[test]
