@@ -137,17 +137,27 @@ impl PerCore {
             command: Arc::new(command),
         };
         let (ready_tx, ready_rx) = mpsc::channel();
-        let workers: Vec<_> = (0..cores)
-            .map(|core| {
-                let factory = factory.clone();
-                let shutdown = shutdown.clone();
-                let ready = ready_tx.clone();
-                std::thread::Builder::new()
-                    .name(format!("pulsar-dispatcher-{core}"))
-                    .spawn(move || worker(core, &*factory, shutdown, ready))
-                    .expect("spawning a dispatcher thread")
-            })
-            .collect();
+        let mut workers = Vec::with_capacity(cores);
+        for core in 0..cores {
+            let factory = factory.clone();
+            let worker_shutdown = shutdown.clone();
+            let ready = ready_tx.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("pulsar-dispatcher-{core}"))
+                .spawn(move || worker(core, &*factory, worker_shutdown, ready));
+            match spawned {
+                Ok(worker) => workers.push(worker),
+                Err(error) => {
+                    // The workers started would wait for a start that never
+                    // comes: stop them before giving up.
+                    shutdown.shutdown();
+                    for worker in workers {
+                        let _ = worker.join();
+                    }
+                    panic!("spawning a dispatcher thread: {error}");
+                }
+            }
+        }
         drop(ready_tx);
         // Each worker reports once (or drops its sender by panicking).
         let all_built = ready_rx.iter().take(cores).filter(|built| *built).count() == cores;
@@ -243,6 +253,8 @@ where
     Fut: Future<Output = Result<Dispatcher<T>, Error>>,
     T: Transport,
 {
+    // However this worker ends, a panic included, the group ends with it.
+    let _ends_the_group = EndsTheGroup(shutdown.clone());
     let mut report = ReadyReport { ready: Some(ready) };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -280,7 +292,14 @@ where
     if let Err(error) = &result {
         warn!(core, %error, "dispatcher stopped with an error; shutting the group down");
     }
-    // However this worker ended, the group ends with it.
-    shutdown.shutdown();
     result
+}
+
+/// Shuts the group down when dropped: a worker holds one for its life.
+struct EndsTheGroup(Shutdown);
+
+impl Drop for EndsTheGroup {
+    fn drop(&mut self) {
+        self.0.shutdown();
+    }
 }

@@ -582,6 +582,49 @@ fn a_handler_whose_drop_panics_at_its_deadline_counts_as_panicked() {
     });
 }
 
+/// A worker of a per-core group that panics after its dispatcher ran
+/// (here in a handler's `Drop`, as its dispatcher goes) shuts the rest of
+/// the group down: `join` returns, resuming the panic, instead of waiting
+/// for ever on a worker that was never told to stop.
+#[test]
+fn a_per_core_worker_that_panics_late_still_shuts_the_group_down() {
+    struct PanicsOnDrop;
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("a late panic");
+        }
+    }
+    let group = crate::per_core::PerCore::start(2, |core| async move {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder().build(transport.clone())?;
+        let held = (core == 1).then(|| Rc::new(PanicsOnDrop));
+        let handler = async move |_: &Message| {
+            let _ = &held;
+            Ok::<_, Infallible>(())
+        };
+        dispatcher
+            .subscribe("jobs", handler, SubscribeOptions::new())
+            .await?;
+        if core == 1 {
+            tokio::task::spawn_local(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                transport.end_stream("jobs");
+            });
+        }
+        Ok(dispatcher)
+    })
+    .unwrap();
+    let (joined_tx, joined) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let join = std::panic::AssertUnwindSafe(|| group.join());
+        let _ = joined_tx.send(std::panic::catch_unwind(join).is_err());
+    });
+    let resumed_the_panic = joined
+        .recv_timeout(Duration::from_secs(30))
+        .expect("join returned: the group was shut down");
+    assert!(resumed_the_panic);
+}
+
 /// Reservations that add up past `usize::MAX` are refused like any others
 /// above the concurrency limit, not a panic (an overflow in a debug build,
 /// a wrapped sum that passes the check in a release build).
