@@ -86,19 +86,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build()?
         .block_on(async {
             let client = Pulsar::builder(&url, TokioExecutor).build().await?;
-            let mut producer = client.producer().with_topic(&topic).build().await?;
+            // A send waits for room in the crate's queue of 100 instead of
+            // failing.
+            let options = pulsar::ProducerOptions {
+                block_queue_if_full: true,
+                ..Default::default()
+            };
+            let mut producer = client
+                .producer()
+                .with_topic(&topic)
+                .with_options(options)
+                .build()
+                .await?;
             let mut receipts = Vec::new();
             for index in 0..messages {
+                // Ctrl-C stops the producing too.
+                if shutdown.is_shutdown() {
+                    break;
+                }
                 receipts.push(
                     producer
                         .send_non_blocking(format!("message {index}"))
                         .await?,
                 );
-                if receipts.len() == 64 {
-                    for receipt in receipts.drain(..) {
-                        receipt.await?;
-                    }
-                }
             }
             for receipt in receipts {
                 receipt.await?;
