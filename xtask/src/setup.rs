@@ -72,6 +72,17 @@ pub fn ensure_protoc() -> Result<(), String> {
     Ok(())
 }
 
+/// Whether `python` exists and runs pip.
+fn has_pip(python: &std::path::Path) -> bool {
+    python.exists()
+        && Command::new(python)
+            .args(["-m", "pip", "--version"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success())
+}
+
 /// Creates `target/pyenv` and installs [`PYTHON_PACKAGES`] into it unless
 /// they are already there; returns the path of its `python`.
 pub fn ensure_python_env(paths: &Paths) -> Result<PathBuf, String> {
@@ -84,7 +95,14 @@ pub fn ensure_python_env(paths: &Paths) -> Result<PathBuf, String> {
         .into_iter()
         .find(|p| on_path(p))
         .ok_or("Python 3 is needed for the interop tests and is not on PATH (python3)")?;
-    if !python.exists() {
+    if !has_pip(&python) {
+        // A venv without pip (an interrupted creation, or one that failed
+        // in ensurepip for want of python3-venv) is made again, or every
+        // later run would fail on it.
+        if venv.exists() {
+            std::fs::remove_dir_all(&venv)
+                .map_err(|e| format!("removing the broken virtualenv {}: {e}", venv.display()))?;
+        }
         info(&format!(
             "creating the Python virtualenv {}",
             venv.display()
