@@ -437,6 +437,18 @@ impl SubscribeOptions {
                 return Err(invalid("max_retries", "must be at least 1"));
             }
         }
+        if self
+            .dead_letter_policy
+            .as_ref()
+            .is_some_and(|policy| policy.max_redeliver_count == 0)
+        {
+            // The crate would dead-letter every message it is sent again,
+            // or, when the broker leaves the count out, read 0 as 1.
+            return Err(invalid(
+                "dead_letter_policy",
+                "max_redeliver_count must be at least 1",
+            ));
+        }
         let dead_letter_topic = self.dead_letter_topic(topic)?;
         if dead_letter_topic.is_none() {
             let needs =

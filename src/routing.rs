@@ -265,13 +265,22 @@ impl<T: Transport> Router<T> {
         self.producers.close_all().await
     }
 
+    /// Closes and forgets the producers of `topics`, made for a subscribe
+    /// that failed: a failed subscribe leaves nothing behind.
+    pub(crate) async fn discard(&self, topics: &[String]) {
+        self.producers.close(topics).await
+    }
+
     /// Creates (or finds) the producers `policy` publishes with, so that a
     /// topic the broker refuses fails at subscribe. On failure, the topic
-    /// and the transport's error.
+    /// and the transport's error. `made` gets the topics whose producers
+    /// this call created, for [`discard`](Self::discard) should the
+    /// subscribe fail after all.
     pub(crate) async fn prepare(
         &self,
         transport: &T,
         policy: &RoutingPolicy,
+        made: &mut Vec<String>,
     ) -> Result<(), (String, TransportError)> {
         let retry = policy.retry.as_ref().map(|retry| &retry.topic);
         let dead_letters = policy
@@ -282,8 +291,10 @@ impl<T: Transport> Router<T> {
             .into_iter()
             .flatten()
         {
-            if let Err(error) = self.producers.producer(transport, topic).await {
-                return Err((topic.clone(), error));
+            match self.producers.producer(transport, topic).await {
+                Ok((_, true)) => made.push(topic.clone()),
+                Ok((_, false)) => {}
+                Err(error) => return Err((topic.clone(), error)),
             }
         }
         Ok(())
@@ -529,20 +540,25 @@ impl<T: Transport> Producers<T> {
         topic: &str,
         message: OutgoingMessage,
     ) -> Result<(), TransportError> {
-        let cell = self.producer(transport, topic).await?;
+        let (cell, _) = self.producer(transport, topic).await?;
         cell.get().expect("created").send(message).await
     }
 
-    /// The topic's producer, created on first use.
+    /// The topic's producer, created on first use; and whether this call
+    /// created it.
     async fn producer(
         &self,
         transport: &T,
         topic: &str,
-    ) -> Result<Rc<OnceCell<T::Producer>>, TransportError> {
+    ) -> Result<(Rc<OnceCell<T::Producer>>, bool), TransportError> {
         let cell = self.cell(topic);
-        cell.get_or_try_init(|| transport.create_producer(topic))
-            .await?;
-        Ok(cell)
+        let mut made = false;
+        cell.get_or_try_init(|| {
+            made = true;
+            transport.create_producer(topic)
+        })
+        .await?;
+        Ok((cell, made))
     }
 
     fn cell(&self, topic: &str) -> Rc<OnceCell<T::Producer>> {
@@ -557,9 +573,15 @@ impl<T: Transport> Producers<T> {
     }
 
     async fn close_all(&self) {
-        let cells: Vec<_> = self.by_topic.borrow_mut().drain().collect();
-        for (topic, cell) in cells {
-            if let Some(producer) = cell.get() {
+        let topics: Vec<String> = self.by_topic.borrow().keys().cloned().collect();
+        self.close(&topics).await
+    }
+
+    /// Closes the producers of `topics` and forgets them.
+    async fn close(&self, topics: &[String]) {
+        for topic in topics {
+            let cell = self.by_topic.borrow_mut().remove(topic);
+            if let Some(producer) = cell.as_ref().and_then(|cell| cell.get()) {
                 if let Err(error) = producer.close().await {
                     warn!(%topic, %error, "closing a producer failed");
                 }

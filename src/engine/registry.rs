@@ -37,17 +37,22 @@ impl<T: Transport> Engine<T> {
         let first_topic = first.consumer.topic.clone();
         self.accepting_subscriptions(&first_topic)?;
         let mut consumers = Vec::with_capacity(specs.len());
+        // The producers this call made: no subscription uses them if it
+        // fails, so they go with its consumers.
+        let mut made = Vec::new();
         for spec in &specs {
-            match self.create(spec).await {
+            match self.create(spec, &mut made).await {
                 Ok(consumer) => consumers.push(consumer),
                 Err(error) => {
                     close_consumers::<T>(consumers, "of a failed subscribe").await;
+                    self.router.discard(&made).await;
                     return Err(error);
                 }
             }
         }
         if let Err(refused) = self.accepting_subscriptions(&first_topic) {
             close_consumers::<T>(consumers, "of a refused subscribe").await;
+            self.router.discard(&made).await;
             return Err(refused);
         }
         let pool = self
@@ -71,7 +76,11 @@ impl<T: Transport> Engine<T> {
     /// Creates a subscription's consumer and the producers it publishes
     /// with (so that a topic the broker refuses fails `subscribe`, not every
     /// message later), within the subscription's time limit.
-    async fn create(&self, spec: &SubscriptionSpec) -> Result<T::Consumer, Error> {
+    async fn create(
+        &self,
+        spec: &SubscriptionSpec,
+        made: &mut Vec<String>,
+    ) -> Result<T::Consumer, Error> {
         let topic = &spec.consumer.topic;
         let timed_out = || Error::SubscribeTimeout {
             topic: topic.clone(),
@@ -93,7 +102,7 @@ impl<T: Transport> Engine<T> {
             }
             Err(_) => return Err(timed_out()),
         };
-        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing));
+        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing, made));
         let prepared = tokio::time::timeout_at(deadline, preparing).await;
         let failure = match prepared {
             Ok(Ok(())) => return Ok(consumer),

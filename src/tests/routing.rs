@@ -356,6 +356,46 @@ fn subscribe_creates_the_producers_it_publishes_with_and_fails_if_one_cannot_be(
     });
 }
 
+/// A subscribe that fails on a producer (here the reply topic's) closes
+/// the producers it made before (here the retry topic's), as it closes its
+/// consumer: a failed subscribe leaves nothing behind. A dead letter
+/// policy that allows no redelivery is refused by name.
+#[test]
+fn a_failed_subscribe_closes_the_producers_it_made() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        transport.fail_producer_creation("replies", 1);
+        let options = routed_options().reply_topic("replies");
+        let refused = dispatcher.subscribe("orders", failing, options).await;
+        assert!(
+            matches!(&refused, Err(Error::Producer { topic, .. }) if topic.ends_with("/replies")),
+            "{refused:?}"
+        );
+        let mut made = transport.producers_created();
+        let mut closed = transport.producers_closed();
+        made.sort();
+        closed.sort();
+        assert!(!made.is_empty());
+        assert_eq!(made, closed, "every producer made was closed again");
+        assert_eq!(transport.open_consumers(), 0);
+        let none = routed_options().dead_letter_policy(DeadLetterPolicy {
+            max_redeliver_count: 0,
+            dead_letter_topic: "graveyard".into(),
+        });
+        let refused = dispatcher.subscribe("orders", failing, none).await;
+        assert!(
+            matches!(
+                &refused,
+                Err(Error::InvalidOption {
+                    option: "dead_letter_policy",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+    });
+}
+
 /// A subscription that can never dead-letter (no fatal errors, no retry
 /// limit) makes no dead letter producer, though its retries name its dead
 /// letter topic: a broker that refuses that topic does not fail it, and

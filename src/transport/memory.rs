@@ -108,6 +108,7 @@ struct Broker {
     log: RefCell<Vec<Record>>,
     next_entry: Cell<u64>,
     producers_created: RefCell<Vec<String>>,
+    producers_closed: RefCell<Vec<String>>,
     failing_subscribes: RefCell<HashSet<String>>,
     hanging_subscribes: RefCell<HashSet<String>>,
     failing_producers: RefCell<HashMap<String, usize>>,
@@ -356,6 +357,11 @@ impl MemoryTransport {
     /// Topics a producer was created for, in creation order.
     pub fn producers_created(&self) -> Vec<String> {
         self.broker.producers_created.borrow().clone()
+    }
+
+    /// The topics of the producers closed so far, in order.
+    pub fn producers_closed(&self) -> Vec<String> {
+        self.broker.producers_closed.borrow().clone()
     }
 
     /// Waits until `count` messages have been acknowledged on `topic`.
@@ -654,6 +660,12 @@ impl Producer for MemoryProducer {
     }
 
     async fn close(&self) -> Result<(), TransportError> {
+        let closed = self.topic.name.to_string();
+        self.transport
+            .broker
+            .producers_closed
+            .borrow_mut()
+            .push(closed);
         Ok(())
     }
 }
