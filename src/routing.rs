@@ -266,9 +266,11 @@ impl<T: Transport> Router<T> {
     }
 
     /// Closes and forgets the producers of `topics`, made for a subscribe
-    /// that failed: a failed subscribe leaves nothing behind.
-    pub(crate) async fn discard(&self, topics: &[String]) {
-        self.producers.close(topics).await
+    /// that failed: a failed subscribe leaves nothing behind. Boxed: a
+    /// transport's close can be a large future (the `pulsar` crate's is,
+    /// in debug builds), and a subscribe's own future would grow by it.
+    pub(crate) fn discard<'a>(&'a self, topics: &'a [String]) -> LocalBoxFuture<'a, ()> {
+        Box::pin(self.producers.close(topics))
     }
 
     /// Creates (or finds) the producers `policy` publishes with, so that a
