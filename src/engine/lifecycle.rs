@@ -13,7 +13,7 @@ use tokio::time::{sleep_until, Instant};
 use tracing::{debug, error, info, warn};
 
 use super::subscription::Subscription;
-use super::{Delivery, Engine, Phase, NO_POOL};
+use super::{wait_until, Delivery, Engine, Phase, NO_POOL};
 use crate::error::{Error, MAX_DURATION};
 use crate::outcome::panic_text;
 use crate::routing::{retry_topic_problems, RetryTopicCheck};
@@ -350,12 +350,6 @@ impl<T: Transport> Engine<T> {
     }
 
     pub(crate) async fn wait_closed(&self) {
-        loop {
-            let notified = self.closed.notified();
-            if self.phase() == Phase::Closed {
-                return;
-            }
-            notified.await;
-        }
+        wait_until(&self.closed, || self.phase() == Phase::Closed).await
     }
 }

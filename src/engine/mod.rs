@@ -606,6 +606,19 @@ impl<T: Transport> Engine<T> {
     }
 }
 
+/// Waits until `done` holds, checking it again each time `notify` wakes
+/// its waiters. The wake-up is asked for before each check, so one that
+/// comes between the check and the wait is not missed.
+pub(crate) async fn wait_until(notify: &Notify, mut done: impl FnMut() -> bool) {
+    loop {
+        let notified = notify.notified();
+        if done() {
+            return;
+        }
+        notified.await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::convert::Infallible;

@@ -11,7 +11,7 @@ use tracing::{debug, info, warn};
 
 use super::subscription::{Subscription, SubscriptionId, SubscriptionSpec};
 use super::worker::WorkerPool;
-use super::{DispatcherStats, Engine, Handler, Phase, SubscriptionStats};
+use super::{wait_until, DispatcherStats, Engine, Handler, Phase, SubscriptionStats};
 use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{HandlerError, IntoReply, SubscriptionInfo};
@@ -248,26 +248,21 @@ impl<T: Transport> Engine<T> {
             subscription.start_removing();
             tokio::task::spawn_local(self.clone().remove(id, subscription));
         }
-        loop {
-            let notified = self.drained.notified();
-            if self.subscription(id).is_none() || self.phase() == Phase::Closed {
-                return true;
-            }
-            notified.await;
-        }
+        wait_until(&self.drained, || {
+            self.subscription(id).is_none() || self.phase() == Phase::Closed
+        })
+        .await;
+        true
     }
 
     /// The removal [`unsubscribe`](Self::unsubscribe) starts.
     async fn remove(self: Rc<Self>, id: SubscriptionId, subscription: Rc<Subscription<T>>) {
         debug!(topic = %subscription.topic, "unsubscribing");
-        loop {
-            let notified = self.drained.notified();
+        wait_until(&self.drained, || {
             let (held, in_flight) = self.scheduler.borrow().load(subscription.key);
-            if (held == 0 && in_flight == 0) || self.phase() == Phase::Closed {
-                break;
-            }
-            notified.await;
-        }
+            (held == 0 && in_flight == 0) || self.phase() == Phase::Closed
+        })
+        .await;
         subscription.send_held_nacks();
         subscription.close().await;
         if self.metrics_interval.is_some() {

@@ -22,7 +22,7 @@ use super::health::SubscriptionHealth;
 use super::metrics::SubscriptionMetrics;
 use super::stats::{bump, Counters, LatencyHistogram, SubscriptionStats};
 use super::wake::{SubscriptionWaker, WokenList};
-use super::{Handler, MessageBox};
+use super::{wait_until, Handler, MessageBox};
 use crate::error::{Error, TransportError};
 use crate::hash::hash_key;
 use crate::message::{Message, MessageId};
@@ -477,13 +477,7 @@ impl<T: Transport> Subscription<T> {
     pub(crate) async fn close(&self) {
         let taken = self.consumer.borrow_mut().take();
         let Some(mut consumer) = taken else {
-            loop {
-                let closed = self.consumer_closed.notified();
-                if !self.closing.get() {
-                    return;
-                }
-                closed.await;
-            }
+            return wait_until(&self.consumer_closed, || !self.closing.get()).await;
         };
         struct Closing<'a>(&'a Cell<bool>, &'a Notify);
         impl Drop for Closing<'_> {
