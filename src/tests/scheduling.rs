@@ -188,52 +188,69 @@ fn max_in_flight_caps_one_subscription_without_holding_up_the_others() {
     });
 }
 
-/// Records when each message starts and ends, by payload.
-type Timeline = Rc<RefCell<Vec<String>>>;
+/// Runs a key-ordered subscription (key buffer 4, concurrency 10) over
+/// `messages`, its handler yielding a few times, until every message is
+/// acked. Returns when each started and ended (`start <payload>`, `end
+/// <payload>`, in order) and the most handlers that ran at once.
+async fn key_ordered_timeline(messages: Vec<OutgoingMessage>) -> (Vec<String>, usize) {
+    let (dispatcher, transport) = dispatcher(10);
+    let count = messages.len();
+    for message in messages {
+        transport.send_message("orders", message);
+    }
+    let timeline: Rc<RefCell<Vec<String>>> = Rc::default();
+    let running = Rc::new(Cell::new(0usize));
+    let most = Rc::new(Cell::new(0usize));
+    let (record, now, peak) = (timeline.clone(), running.clone(), most.clone());
+    dispatcher
+        .subscribe(
+            "orders",
+            async move |message: &Message| {
+                let name = String::from_utf8_lossy(message.payload()).into_owned();
+                now.set(now.get() + 1);
+                peak.set(peak.get().max(now.get()));
+                record.borrow_mut().push(format!("start {name}"));
+                for _ in 0..3 {
+                    tokio::task::yield_now().await;
+                }
+                record.borrow_mut().push(format!("end {name}"));
+                now.set(now.get() - 1);
+                Ok::<_, Infallible>(())
+            },
+            options(1).ordering(Ordering::Key).key_buffer(4),
+        )
+        .await
+        .unwrap();
+    let dispatcher = Rc::new(dispatcher);
+    let run = spawn_run(&dispatcher);
+    transport.wait_acked("orders", count).await;
+    dispatcher.close().await;
+    run.await.unwrap().unwrap();
+    let timeline = timeline.take();
+    (timeline, most.get())
+}
+
+/// Where `event` stands in `timeline`.
+fn at(timeline: &[String], event: &str) -> usize {
+    timeline
+        .iter()
+        .position(|e| e == event)
+        .unwrap_or_else(|| panic!("no {event} in {timeline:?}"))
+}
 
 #[test]
 fn key_ordering_serialises_a_key_and_runs_keys_side_by_side() {
     run_local(async {
-        let (dispatcher, transport) = dispatcher(10);
-        for (n, key) in ["a", "a", "b", "a", "b", "c"].iter().enumerate() {
-            transport.send_message(
-                "orders",
-                OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key),
-            );
-        }
-        let timeline = Timeline::default();
-        let running = Rc::new(Cell::new(0usize));
-        let most = Rc::new(Cell::new(0usize));
-        let (record, now, peak) = (timeline.clone(), running.clone(), most.clone());
-        dispatcher
-            .subscribe(
-                "orders",
-                async move |message: &Message| {
-                    let name = String::from_utf8_lossy(message.payload()).into_owned();
-                    now.set(now.get() + 1);
-                    peak.set(peak.get().max(now.get()));
-                    record.borrow_mut().push(format!("start {name}"));
-                    for _ in 0..3 {
-                        tokio::task::yield_now().await;
-                    }
-                    record.borrow_mut().push(format!("end {name}"));
-                    now.set(now.get() - 1);
-                    Ok::<_, Infallible>(())
-                },
-                options(1).ordering(Ordering::Key).key_buffer(4),
-            )
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
-        transport.wait_acked("orders", 6).await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
-        let timeline = timeline.borrow();
-        let at = |event: &str| timeline.iter().position(|e| e == event).unwrap();
+        let messages = ["a", "a", "b", "a", "b", "c"]
+            .iter()
+            .enumerate()
+            .map(|(n, key)| OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key))
+            .collect();
+        let (timeline, most) = key_ordered_timeline(messages).await;
+        let at = |event| at(&timeline, event);
         assert!(at("end a0") < at("start a1") && at("end a1") < at("start a3"));
         assert!(at("end b2") < at("start b4"));
-        assert!(most.get() >= 2, "different keys ran side by side");
+        assert!(most >= 2, "different keys ran side by side");
     });
 }
 
@@ -244,43 +261,20 @@ fn key_ordering_serialises_a_key_and_runs_keys_side_by_side() {
 #[test]
 fn the_ordering_key_goes_before_the_partition_key() {
     run_local(async {
-        let (dispatcher, transport) = dispatcher(10);
-        for (payload, partition_key, ordering_key) in [
+        let messages = [
             ("p1", "account-1", "order-1"),
             ("p2", "account-1", "order-2"),
             ("o1", "account-2", "order-3"),
             ("o2", "account-3", "order-3"),
-        ] {
-            let message = OutgoingMessage::new(payload)
+        ]
+        .map(|(payload, partition_key, ordering_key)| {
+            OutgoingMessage::new(payload)
                 .with_partition_key(partition_key)
-                .with_ordering_key(ordering_key);
-            transport.send_message("orders", message);
-        }
-        let timeline = Timeline::default();
-        let record = timeline.clone();
-        dispatcher
-            .subscribe(
-                "orders",
-                async move |message: &Message| {
-                    let name = String::from_utf8_lossy(message.payload()).into_owned();
-                    record.borrow_mut().push(format!("start {name}"));
-                    for _ in 0..3 {
-                        tokio::task::yield_now().await;
-                    }
-                    record.borrow_mut().push(format!("end {name}"));
-                    Ok::<_, Infallible>(())
-                },
-                options(1).ordering(Ordering::Key).key_buffer(4),
-            )
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
-        transport.wait_acked("orders", 4).await;
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
-        let timeline = timeline.borrow();
-        let at = |event: &str| timeline.iter().position(|e| e == event).unwrap();
+                .with_ordering_key(ordering_key)
+        })
+        .into();
+        let (timeline, _) = key_ordered_timeline(messages).await;
+        let at = |event| at(&timeline, event);
         assert!(
             at("start p2") < at("end p1"),
             "one account, two orders: {timeline:?}"
