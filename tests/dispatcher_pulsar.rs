@@ -60,6 +60,56 @@ fn recording(seen: &Seen) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
     }
 }
 
+/// Records each message handled, (id, payload), and holds the one whose
+/// payload it is told until released.
+#[derive(Default)]
+struct Holding {
+    handled: Seen,
+    released: Rc<std::cell::Cell<bool>>,
+    release: Rc<Notify>,
+}
+
+impl Holding {
+    fn handler(&self, held: &'static str) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
+        let (release, released) = (self.release.clone(), self.released.clone());
+        let record = self.handled.clone();
+        async move |message: &Message| {
+            let payload = String::from_utf8_lossy(message.payload()).into_owned();
+            while payload == held && !released.get() {
+                release.notified().await;
+            }
+            record
+                .borrow_mut()
+                .push((message.id().to_string(), payload));
+            Ok(())
+        }
+    }
+
+    fn release(&self) {
+        self.released.set(true);
+        self.release.notify_waiters();
+    }
+}
+
+/// Publishes `payloads` to `topic` with the official Python client,
+/// batched or not.
+async fn produce_with_python(topic: &str, payloads: &[&str], batching: bool) {
+    let messages: Vec<_> = payloads
+        .iter()
+        .map(|payload| serde_json::json!({ "payload": payload }))
+        .collect();
+    common::run_interop(
+        "produce.py",
+        serde_json::json!({
+            "service_url": pulsar_url(),
+            "topic": topic,
+            "batching": batching,
+            "messages": messages,
+        }),
+    )
+    .await;
+}
+
 fn every_message_of_several_prioritised_topics_is_processed_and_acked_once(kind: TopicKind) {
     run_local(Duration::from_secs(90), async {
         let subscription = unique_name("sub");
@@ -553,23 +603,12 @@ fn batch_acked_once_all_succeeded(kind: TopicKind, subscription_type: SubType) {
         let topic = fresh_topic("batch", kind);
         let subscription = unique_name("sub");
         let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
-        let release = Rc::new(Notify::new());
-        let released = Rc::new(std::cell::Cell::new(false));
-        let handled: Seen = Seen::default();
-        let (gate, open, record) = (release.clone(), released.clone(), handled.clone());
+        let holding = Holding::default();
+        let handled = holding.handled.clone();
         dispatcher
             .subscribe(
                 &topic,
-                async move |message: &Message| {
-                    let payload = String::from_utf8_lossy(message.payload()).into_owned();
-                    while payload == "slow" && !open.get() {
-                        gate.notified().await;
-                    }
-                    record
-                        .borrow_mut()
-                        .push((message.id().to_string(), payload));
-                    Ok::<_, Infallible>(())
-                },
+                holding.handler("slow"),
                 shared(&subscription, 1)
                     .subscription_type(subscription_type)
                     .receiver_queue_size(10),
@@ -577,20 +616,7 @@ fn batch_acked_once_all_succeeded(kind: TopicKind, subscription_type: SubType) {
             .await
             .unwrap();
         let run = start(&dispatcher);
-        let specs: Vec<_> = ["a", "b", "slow", "c", "d"]
-            .iter()
-            .map(|payload| serde_json::json!({ "payload": payload }))
-            .collect();
-        common::run_interop(
-            "produce.py",
-            serde_json::json!({
-                "service_url": pulsar_url(),
-                "topic": topic,
-                "batching": true,
-                "messages": specs,
-            }),
-        )
-        .await;
+        produce_with_python(&topic, &["a", "b", "slow", "c", "d"], true).await;
         wait_until("the fast four", Duration::from_secs(20), || {
             handled.borrow().len() >= 4
         })
@@ -613,8 +639,7 @@ fn batch_acked_once_all_succeeded(kind: TopicKind, subscription_type: SubType) {
             waiting.msg_backlog, 1,
             "{subscription_type:?}: the batch was acked while one of its messages was still being handled"
         );
-        released.set(true);
-        release.notify_waiters();
+        holding.release();
         let done = wait_for_empty_backlog(&topic, &subscription).await;
         assert_eq!(
             done.msg_backlog, 0,
@@ -642,57 +667,26 @@ fn the_ack_timeout_leaves_an_acked_batch_alone(kind: TopicKind) {
         let topic = fresh_topic("ack-timeout", kind);
         let subscription = unique_name("sub");
         let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
-        let release = Rc::new(Notify::new());
-        let released = Rc::new(std::cell::Cell::new(false));
-        let handled: Seen = Seen::default();
-        let (gate, open, record) = (release.clone(), released.clone(), handled.clone());
+        let holding = Holding::default();
+        let handled = holding.handled.clone();
         let options = shared(&subscription, 1)
             .subscription_type(SubType::Exclusive)
             .unacked_message_resend_delay(DELAY);
         dispatcher
-            .subscribe(
-                &topic,
-                async move |message: &Message| {
-                    let payload = String::from_utf8_lossy(message.payload()).into_owned();
-                    while payload == "held" && !open.get() {
-                        gate.notified().await;
-                    }
-                    record
-                        .borrow_mut()
-                        .push((message.id().to_string(), payload));
-                    Ok::<_, Infallible>(())
-                },
-                options,
-            )
+            .subscribe(&topic, holding.handler("held"), options)
             .await
             .unwrap();
         let run = start(&dispatcher);
-        let batch: Vec<_> = ["a", "b", "c", "d"]
-            .iter()
-            .map(|payload| serde_json::json!({ "payload": payload }))
-            .collect();
-        let produce_with_python = |messages: Vec<serde_json::Value>, batching: bool| {
-            common::run_interop(
-                "produce.py",
-                serde_json::json!({
-                    "service_url": pulsar_url(),
-                    "topic": topic,
-                    "batching": batching,
-                    "messages": messages,
-                }),
-            )
-        };
-        produce_with_python(batch, true).await;
+        produce_with_python(&topic, &["a", "b", "c", "d"], true).await;
         wait_until("the batch", Duration::from_secs(20), || {
             handled.borrow().len() >= 4
         })
         .await;
         let batch_handled = tokio::time::Instant::now();
         tokio::time::sleep_until(batch_handled + DELAY / 2).await;
-        produce_with_python(vec![serde_json::json!({ "payload": "held" })], false).await;
+        produce_with_python(&topic, &["held"], false).await;
         tokio::time::sleep_until(batch_handled + DELAY + Duration::from_millis(1200)).await;
-        released.set(true);
-        release.notify_waiters();
+        holding.release();
         let done = wait_for_empty_backlog(&topic, &subscription).await;
         close_and_join(&dispatcher, run).await;
         assert_eq!(done.msg_backlog, 0);
