@@ -110,24 +110,27 @@ impl Transport for PulsarTransport {
             .get_or_insert_with(made_up_subscription_name);
         let subscriber = Rc::new(Subscriber {
             client,
-            spec: spec.clone(),
+            spec,
             brokers: self.brokers.clone(),
         });
         let partitions = subscribe_partitions(&subscriber, &names).await?;
         self.brokers.disable_nagle();
+        let spec = &subscriber.spec;
         let remembered = remembered_acks(spec.receiver_queue_size, partitions.len());
+        let rewinds = matches!(
+            spec.subscription_type,
+            SubType::Exclusive | SubType::Failover
+        )
+        .then(RewindCheck::new);
+        let acks_each_member = spec.unacked_message_resend_delay.is_some();
         Ok(PulsarConsumer {
             added: (partition_count > 0).then(|| AddedPartitions::new(subscriber)),
             partitions,
             next_partition: 0,
             batches: BatchSettlements::default(),
             recent_acks: RecentAcks::new(remembered),
-            rewinds: matches!(
-                spec.subscription_type,
-                SubType::Exclusive | SubType::Failover
-            )
-            .then(RewindCheck::new),
-            acks_each_member: spec.unacked_message_resend_delay.is_some(),
+            rewinds,
+            acks_each_member,
             brokers: self.brokers.clone(),
         })
     }
