@@ -174,7 +174,10 @@ impl SubscribeOptions {
     }
 
     /// The `pulsar` crate's dead letter policy: after `max_redeliver_count`
-    /// redeliveries a message is moved to `dead_letter_topic`.
+    /// redeliveries a message is moved to `dead_letter_topic`. An empty
+    /// `dead_letter_topic` means Pulsar's default,
+    /// `<topic>-<subscription>-DLQ`, and needs a
+    /// [`subscription`](Self::subscription) name.
     #[must_use]
     pub fn dead_letter_policy(mut self, policy: DeadLetterPolicy) -> Self {
         self.dead_letter_policy = Some(policy);
@@ -330,6 +333,7 @@ impl SubscribeOptions {
     pub(crate) fn resolve(&self, topic: &str) -> Result<SubscriptionSpec, Error> {
         let topic = full_topic_name(topic)?;
         let routing = self.routing_policy(&topic)?;
+        let dead_letter_policy = self.resolved_dead_letter_policy(&topic)?;
         let nack_delay = checked_duration(
             "negative_ack_redelivery_delay",
             self.negative_ack_redelivery_delay,
@@ -359,7 +363,7 @@ impl SubscribeOptions {
                 receiver_queue_size: self.receiver_queue_size,
                 consumer_name: self.consumer_name.clone(),
                 consumer_options: self.consumer_options.clone(),
-                dead_letter_policy: self.dead_letter_policy.clone(),
+                dead_letter_policy,
                 unacked_message_resend_delay: self.unacked_message_resend_delay,
                 partition_refresh_interval,
             },
@@ -487,12 +491,40 @@ impl SubscribeOptions {
     /// The dead letter policy's topic, or Pulsar's default
     /// `<topic>-<subscription>-DLQ`; `None` without either.
     fn dead_letter_topic(&self, topic: &str) -> Result<Option<String>, Error> {
-        if let Some(policy) = &self.dead_letter_policy {
-            return full_topic_name(&policy.dead_letter_topic).map(Some);
+        match self.resolved_dead_letter_policy(topic)? {
+            Some(policy) => Ok(Some(policy.dead_letter_topic)),
+            None => Ok(self.default_dead_letter_topic(topic)),
         }
-        Ok(self
-            .subscription
+    }
+
+    /// The dead letter policy as the consumer gets it, its topic a full
+    /// name. A policy without a topic (the crate's `String` left empty)
+    /// takes Pulsar's default, as the Python original and Pulsar's own
+    /// clients do, and so needs a subscription name.
+    fn resolved_dead_letter_policy(&self, topic: &str) -> Result<Option<DeadLetterPolicy>, Error> {
+        let Some(policy) = &self.dead_letter_policy else {
+            return Ok(None);
+        };
+        let dead_letter_topic = if policy.dead_letter_topic.is_empty() {
+            self.default_dead_letter_topic(topic)
+                .ok_or_else(|| Error::InvalidOption {
+                    option: "dead_letter_policy",
+                    reason: "needs a dead_letter_topic or a subscription name".to_owned(),
+                })?
+        } else {
+            full_topic_name(&policy.dead_letter_topic)?
+        };
+        Ok(Some(DeadLetterPolicy {
+            max_redeliver_count: policy.max_redeliver_count,
+            dead_letter_topic,
+        }))
+    }
+
+    /// Pulsar's default dead letter topic, `<topic>-<subscription>-DLQ`, for
+    /// a named subscription.
+    fn default_dead_letter_topic(&self, topic: &str) -> Option<String> {
+        self.subscription
             .as_ref()
-            .map(|subscription| format!("{topic}-{subscription}-DLQ")))
+            .map(|subscription| format!("{topic}-{subscription}-DLQ"))
     }
 }

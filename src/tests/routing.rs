@@ -135,6 +135,47 @@ fn a_dead_letter_policy_names_the_dead_letter_topic() {
 }
 
 #[test]
+fn a_dead_letter_policy_without_a_topic_uses_pulsars_default() {
+    let unnamed = DeadLetterPolicy {
+        max_redeliver_count: 5,
+        dead_letter_topic: String::new(),
+    };
+    // The consumer's policy is filled in too: the crate moves a message
+    // past max_redeliver_count to the policy's topic itself.
+    let spec = routed_options()
+        .dead_letter_policy(unnamed.clone())
+        .resolve("orders")
+        .unwrap();
+    let policy = spec.consumer.dead_letter_policy.unwrap();
+    assert_eq!(policy.dead_letter_topic, DLQ);
+    assert_eq!(policy.max_redeliver_count, 5);
+    let refused = SubscribeOptions::new()
+        .dead_letter_policy(unnamed.clone())
+        .resolve("orders");
+    assert!(
+        matches!(
+            &refused,
+            Err(Error::InvalidOption {
+                option: "dead_letter_policy",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        send(&transport, "orders", "invalid");
+        let options = routed_options().dead_letter_policy(unnamed);
+        dispatcher
+            .subscribe("orders", failing, options)
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("orders", 1).await).await;
+        assert_eq!(transport.published(DLQ).len(), 1);
+    });
+}
+
+#[test]
 fn fatal_beats_retry_and_panics_are_only_ever_nacked() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(4);
