@@ -173,8 +173,10 @@ impl SubscribeOptions {
         self
     }
 
-    /// The `pulsar` crate's dead letter policy: after `max_redeliver_count`
-    /// redeliveries a message is moved to `dead_letter_topic`. An empty
+    /// The `pulsar` crate's dead letter policy: a message the handler keeps
+    /// failing is handed over `max_redeliver_count + 1` times (its first
+    /// delivery and `max_redeliver_count` redeliveries, as Pulsar's Java and
+    /// C++ clients count them) and then moved to `dead_letter_topic`. An empty
     /// `dead_letter_topic` means Pulsar's default,
     /// `<topic>-<subscription>-DLQ`, and needs a
     /// [`subscription`](Self::subscription) name.

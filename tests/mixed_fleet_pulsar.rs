@@ -34,7 +34,7 @@ use common::{
     wait_for_stats, wait_until,
 };
 use futures::StreamExt;
-use pulsar::consumer::InitialPosition;
+use pulsar::consumer::{DeadLetterPolicy, InitialPosition};
 use pulsar::{Consumer, ConsumerOptions, TokioExecutor};
 use pulsar_dispatcher::{
     full_topic_name, DeadLetterTargets, Dispatcher, ErrorClass, Message, RetryTopicCheck, SubType,
@@ -633,6 +633,92 @@ fn a_python_dead_letter_topic_that_is_not_allowed_is_not_trusted() {
             Some(0),
             "nothing may reach the untrusted {}: {stats}",
             chain.original_dlq()
+        );
+        close_and_join(&dispatcher, run).await;
+    });
+}
+
+/// A dead letter policy gives a failing message as many tries on this
+/// library as on the Python original, whose client (Pulsar's C++ client)
+/// hands it over `max_redeliver_count + 1` times and then dead-letters it:
+/// otherwise a mixed fleet would give a message more or fewer tries
+/// depending on which side received its last redelivery. Each side runs
+/// alone on its own topic, configured the same (no retry topic, so every
+/// failure is a nack).
+#[test]
+fn a_dead_letter_policy_gives_as_many_tries_as_the_python_original() {
+    run_local(Duration::from_secs(180), async {
+        const MAX_REDELIVER: usize = 2;
+        let tries: Vec<u64> = (0..=MAX_REDELIVER as u64).collect();
+
+        let python_topic = unique_name("orders-py");
+        let python_dlq = full(&format!("{python_topic}-DLQ"));
+        let mut python_dead_letters = reader(&python_dlq).await;
+        publish_order(&python_topic).await;
+        let result = run_interop(
+            "python_dispatcher.py",
+            json!({
+                "service_url": pulsar_url(),
+                "subscriptions": [{
+                    "topic": python_topic,
+                    "subscription": "orders-sub",
+                    "nack_delay_ms": 200,
+                    "dead_letter_policy": {
+                        "max_redeliver_count": MAX_REDELIVER,
+                        "dead_letter_topic": python_dlq,
+                    },
+                }],
+                "stop_after": tries.len(),
+                "linger_ms": 3_000,
+                "timeout_ms": 60_000,
+            }),
+        )
+        .await;
+        let python_tries: Vec<u64> = result["handled"]
+            .as_array()
+            .expect("handled")
+            .iter()
+            .map(|handled| handled["redelivery_count"].as_u64().expect("a count"))
+            .collect();
+        assert_eq!(python_tries, tries, "redelivery counts the Python side saw");
+        let dead = next_within(&mut python_dead_letters, Duration::from_secs(10))
+            .await
+            .expect("the Python side's client dead-lettered the order");
+        assert_eq!(String::from_utf8_lossy(&dead.payload.data), PAYLOAD);
+
+        let topic = unique_name("orders-rs");
+        let dlq = full(&format!("{topic}-DLQ"));
+        let mut dead_letters = reader(&dlq).await;
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let seen = Seen::default();
+        let options = SubscribeOptions::new()
+            .subscription("orders-sub")
+            .subscription_type(SubType::Shared)
+            .consumer_options(
+                ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
+            )
+            .negative_ack_redelivery_delay(Duration::from_millis(200))
+            .dead_letter_policy(DeadLetterPolicy {
+                max_redeliver_count: MAX_REDELIVER,
+                dead_letter_topic: dlq.clone(),
+            });
+        dispatcher
+            .subscribe(&topic, always_unavailable(&seen), options)
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        publish_order(&topic).await;
+        let dead = next_within(&mut dead_letters, Duration::from_secs(30))
+            .await
+            .expect("this library's consumer dead-lettered the order");
+        assert_eq!(String::from_utf8_lossy(&dead.payload.data), PAYLOAD);
+        // A hand-over after the dead letter would show within a few nack
+        // delays.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            seen.borrow().len(),
+            tries.len(),
+            "tries this library's handler was given, against the Python original's {tries:?}"
         );
         close_and_join(&dispatcher, run).await;
     });

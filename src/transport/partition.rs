@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use futures::future::LocalBoxFuture;
 use futures::{FutureExt, StreamExt};
+use pulsar::consumer::DeadLetterPolicy;
 use pulsar::proto::MessageIdData;
 use pulsar::{Pulsar, TokioExecutor};
 use tracing::{info, warn};
@@ -72,7 +73,7 @@ impl Subscriber {
             builder = builder.with_consumer_name(name);
         }
         if let Some(policy) = &spec.dead_letter_policy {
-            builder = builder.with_dead_letter_policy(policy.clone());
+            builder = builder.with_dead_letter_policy(crate_dead_letter_policy(policy));
         }
         // Boxed: the crate's futures are large (in debug builds, hundreds of
         // kilobytes), and every future holding one inline would be too.
@@ -360,5 +361,19 @@ async fn close_consumer(consumer: &mut CrateConsumer) -> Result<(), TransportErr
     match tokio::time::timeout_at(deadline, consumer.close()).await {
         Ok(closed) => Ok(closed?),
         Err(_) => Err(over_limit()),
+    }
+}
+
+/// `policy` as the crate reads it. Pulsar's Java and C++ clients (the
+/// Python original's) hand a message over `max_redeliver_count + 1` times
+/// and dead-letter it at the redelivery after that; the crate dead-letters a
+/// message on arrival once its redelivery count reaches the maximum, one
+/// hand-over sooner. Given one more, it gives a message as many tries as
+/// they do, so a mixed fleet gives it the same number whichever side
+/// receives it.
+fn crate_dead_letter_policy(policy: &DeadLetterPolicy) -> DeadLetterPolicy {
+    DeadLetterPolicy {
+        max_redeliver_count: policy.max_redeliver_count.saturating_add(1),
+        dead_letter_topic: policy.dead_letter_topic.clone(),
     }
 }

@@ -7,16 +7,20 @@ stdin:
      "subscriptions": [{"topic": "...", "subscription": "...",
                         "retry_topic": "...", "max_retries": 3,
                         "backoff_seconds": 1, "priority": 10}, ...],
-     "stop_after": N, "timeout_ms": 60000}
+     "stop_after": N, "linger_ms": 0, "timeout_ms": 60000}
 
 Subscribes each topic (Shared, from the earliest message) with topics and
 names passed to PulsarDispatcher.subscribe() exactly as given, so short names
 stay short, as its users write them. The handler records every message it is
 given and raises `Unavailable`, the subscriptions' retry_exception_class, so
 the dispatcher retries it to retry_topic or, once max_retries retries are
-used up, dead-letters it. After N handled messages (or timeout_ms) the
-dispatcher is closed, which waits for the retries and dead letters of the
-handled messages to be published and acked.
+used up, dead-letters it. A subscription without a retry_topic instead nacks
+it (after "nack_delay_ms", 60000 by default), and with a
+"dead_letter_policy": {"max_redeliver_count": n, "dead_letter_topic": "..."}
+the client dead-letters it. After N handled messages (or timeout_ms), and
+linger_ms more to let further deliveries show, the dispatcher is closed,
+which waits for the retries and dead letters of the handled messages to be
+published and acked.
 
 Prints `RESULT {"version": "...", "handled": [...]}`, one object per handled
 message with its topic, payload, properties and message id as the Python
@@ -60,6 +64,7 @@ async def run(request):
                 "payload": message.data().decode("utf-8"),
                 "properties": message.properties(),
                 "message_id": str(message.message_id()),
+                "redelivery_count": message.redelivery_count(),
             }
         )
         if len(handled) >= request["stop_after"]:
@@ -67,17 +72,26 @@ async def run(request):
         raise Unavailable("always")
 
     for spec in request["subscriptions"]:
-        backoff = int(spec.get("backoff_seconds", 1))
         options = {}
+        if spec.get("retry_topic") is not None:
+            backoff = int(spec.get("backoff_seconds", 1))
+            options["retry_exception_class"] = Unavailable
+            options["retry_topic"] = spec["retry_topic"]
+            options["retry_backoff_function"] = lambda retry, backoff=backoff: backoff
         if spec.get("max_retries") is not None:
             options["max_retries"] = int(spec["max_retries"])
+        if spec.get("nack_delay_ms") is not None:
+            options["negative_ack_redelivery_delay_ms"] = int(spec["nack_delay_ms"])
+        if spec.get("dead_letter_policy") is not None:
+            policy = spec["dead_letter_policy"]
+            options["dead_letter_policy"] = pulsar.ConsumerDeadLetterPolicy(
+                max_redeliver_count=int(policy["max_redeliver_count"]),
+                dead_letter_topic=policy["dead_letter_topic"],
+            )
         await dispatcher.subscribe(
             spec["topic"],
             handler,
             priority=int(spec.get("priority", 100)),
-            retry_exception_class=Unavailable,
-            retry_topic=spec["retry_topic"],
-            retry_backoff_function=lambda retry, backoff=backoff: backoff,
             subscription_name=spec["subscription"],
             consumer_type=pulsar.ConsumerType.Shared,
             initial_position=pulsar.InitialPosition.Earliest,
@@ -92,6 +106,7 @@ async def run(request):
         return_when=asyncio.FIRST_COMPLETED,
     )
     waiting.cancel()
+    await asyncio.sleep(request.get("linger_ms", 0) / 1000.0)
     # Waits for in-flight handlers, their retries and dead letters.
     await dispatcher.close()
     await running
