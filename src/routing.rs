@@ -462,10 +462,23 @@ impl<T: Transport> Router<T> {
 /// The retries a message has had so far; missing, malformed or negative
 /// values count as none.
 pub(crate) fn reconsume_times(message: &Message) -> u32 {
-    message
-        .property(RECONSUMETIMES)
-        .and_then(|value| value.trim().parse::<i64>().ok())
-        .map_or(0, |n| n.clamp(0, u32::MAX as i64) as u32)
+    message.property(RECONSUMETIMES).map_or(0, count_of)
+}
+
+/// A decimal count, around it whitespace and before it a sign, however many
+/// digits it has (the Python original's `int()` has no limit either): a
+/// count too large for a `u32` is `u32::MAX`, so that it is spent, not
+/// started over.
+fn count_of(value: &str) -> u32 {
+    let value = value.trim();
+    let (negative, digits) = match value.strip_prefix('-') {
+        Some(digits) => (true, digits),
+        None => (false, value.strip_prefix('+').unwrap_or(value)),
+    };
+    if negative || digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return 0;
+    }
+    digits.parse().unwrap_or(u32::MAX)
 }
 
 /// The republished form of `message`, bound for the retry topic, and the
@@ -683,7 +696,7 @@ mod tests {
 
     #[test]
     fn malformed_or_negative_retry_counts_count_as_none() {
-        for bad in ["-4", "many", "", "1.5"] {
+        for bad in ["-4", "many", "", "1.5", "-99999999999999999999", "+", "--1"] {
             assert_eq!(
                 reconsume_times(&message(&[(RECONSUMETIMES, bad)])),
                 0,
@@ -691,10 +704,14 @@ mod tests {
             );
         }
         assert_eq!(reconsume_times(&message(&[(RECONSUMETIMES, " 12 ")])), 12);
-        assert_eq!(
-            reconsume_times(&message(&[(RECONSUMETIMES, "99999999999")])),
-            u32::MAX
-        );
+        assert_eq!(reconsume_times(&message(&[(RECONSUMETIMES, "+3")])), 3);
+        for huge in ["99999999999", "99999999999999999999"] {
+            assert_eq!(
+                reconsume_times(&message(&[(RECONSUMETIMES, huge)])),
+                u32::MAX,
+                "{huge:?}"
+            );
+        }
     }
 
     #[test]
