@@ -132,7 +132,8 @@ impl DispatcherBuilder {
     /// facade's recorder (every second by default; `None`: never). They are
     /// kept in the dispatcher and published as absolute values, so the data
     /// path never touches the recorder. Install the recorder before the
-    /// dispatcher subscribes: metric handles are registered at subscribe.
+    /// dispatcher is built: its permits gauge is registered then, and a
+    /// subscription's metrics at subscribe.
     pub fn metrics_interval(mut self, interval: Option<Duration>) -> Self {
         self.settings.metrics_interval = interval;
         self
@@ -329,7 +330,9 @@ impl<T: Transport> Dispatcher<T> {
     /// finish and their messages are settled, held nacks are sent at once,
     /// and its consumer is closed; then its place is free for reuse. Returns
     /// once all that is done. Fails with [`Error::UnknownSubscription`] if
-    /// the handle is not this dispatcher's or the subscription is gone.
+    /// the handle is not this dispatcher's or the subscription is gone
+    /// (unsubscribed already); after `close` it returns `Ok` at once, the
+    /// shutdown having done all of that.
     pub async fn unsubscribe(&self, handle: SubscriptionHandle) -> Result<(), Error> {
         if !handle.belongs_to(&self.control()) || !self.engine.unsubscribe(handle.id()).await {
             return Err(handle.unknown());
@@ -428,9 +431,11 @@ impl<T: Transport> Dispatcher<T> {
     /// Runs until the dispatcher is closed.
     ///
     /// Starts the readers and the dispatch loop, then waits for shutdown to
-    /// finish. Returns `Ok(())` after [`close`](Self::close) was requested,
-    /// and the failure that forced a shutdown otherwise (a consumer stream
-    /// that ended, for example). Fails at once if called twice or after
+    /// finish. Returns `Ok(())` after [`close`](Self::close) was requested
+    /// (unless its deadline cancelled handlers,
+    /// [`Error::HandlersCancelled`], or closing the connection failed,
+    /// [`Error::Close`]), and the failure that forced a shutdown otherwise
+    /// (a consumer stream that ended, for example). Fails at once if called twice or after
     /// `close()`.
     ///
     /// Dropping the returned future before it completes requests the same

@@ -126,8 +126,9 @@ pub enum Error {
         state: &'static str,
     },
     /// A [`SubscriptionHandle`](crate::SubscriptionHandle) names a
-    /// subscription that is gone (unsubscribed, or its dispatcher closed),
-    /// or one of another dispatcher.
+    /// subscription that is gone (unsubscribed, or its dispatcher dropped),
+    /// or one of another dispatcher. A closed dispatcher's subscriptions
+    /// are not gone: their handles still answer, with their last state.
     #[error("{topic} is not a subscription of this dispatcher (any more)")]
     UnknownSubscription {
         /// The full topic name of the handle.

@@ -123,7 +123,9 @@ impl PerCore {
     ///
     /// # Panics
     ///
-    /// If `cores` is zero, or a thread or runtime cannot be created.
+    /// If `cores` is zero, or a thread or runtime cannot be created; and if
+    /// a factory panics, with its panic, once the other dispatchers are
+    /// closed.
     pub fn start<F, Fut, T>(cores: usize, factory: F) -> Result<PerCore, Error>
     where
         F: Fn(usize) -> Fut + Send + Sync + 'static,

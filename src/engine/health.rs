@@ -65,7 +65,8 @@ pub struct SubscriptionHealth {
     /// not ended, no receive errors in a row, not being removed.
     pub receiving: bool,
     /// How long ago it last received a message (to within the metrics
-    /// publishing interval); `None` if it never has.
+    /// publishing interval; with metrics off, to within the time since the
+    /// previous `health()` call); `None` if it never has.
     pub last_received: Option<Duration>,
     /// Its handlers still running past their processing deadline (a handler
     /// is dropped at its next `.await` after the deadline, so this stays 0

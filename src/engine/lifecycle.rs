@@ -1,5 +1,6 @@
 //! The engine's life: starting, the engine task, timers (held nacks,
-//! receive retries, the shutdown deadline), and shutdown.
+//! receive retries, metrics publishing, the shutdown deadline), and
+//! shutdown.
 
 use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
@@ -214,8 +215,9 @@ impl<T: Transport> Engine<T> {
         for subscription in self.all_subscriptions() {
             subscription.publish(&self.stats_of(&subscription), now);
         }
-        self.permits_gauge
-            .set(self.scheduler.borrow().available() as f64);
+        if let Some(gauge) = &self.permits_gauge {
+            gauge.set(self.scheduler.borrow().available() as f64);
+        }
     }
 
     /// Makes a shutdown cancel the handlers still running after `limit`

@@ -6,7 +6,9 @@
 //! nothing to the data path and no recorder costs nothing. Only the two
 //! histograms are recorded per message, and only when timings are on.
 //! Handles are registered when a subscription is made (or changes
-//! priority), so a recorder must be installed before that.
+//! priority), and the permits gauge when the dispatcher is built, so a
+//! recorder must be installed before that; with metrics off nothing is
+//! registered.
 //!
 //! A priority change starts new series (the priority is a label): the old
 //! ones keep what happened at the old priority, and the new ones count from

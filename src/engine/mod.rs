@@ -241,7 +241,8 @@ pub(crate) struct Engine<T: Transport> {
     aging: bool,
     metrics_interval: Option<Duration>,
     next_publish: Cell<Option<Instant>>,
-    permits_gauge: ::metrics::Gauge,
+    /// `None` with metrics off.
+    permits_gauge: Option<::metrics::Gauge>,
     phase: Cell<Phase>,
     /// The first unexpected failure; `run()` returns it.
     failure: RefCell<Option<Error>>,
@@ -332,7 +333,9 @@ impl<T: Transport> Engine<T> {
             aging,
             metrics_interval: settings.metrics_interval,
             next_publish: Cell::new(None),
-            permits_gauge: metrics::permits_available(),
+            permits_gauge: settings
+                .metrics_interval
+                .map(|_| metrics::permits_available()),
             phase: Cell::new(Phase::Idle),
             failure: RefCell::default(),
             closed: Notify::new(),

@@ -9,7 +9,7 @@ use std::rc::Rc;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::subscription::{Subscription, SubscriptionId, SubscriptionSpec};
+use super::subscription::{Recording, Subscription, SubscriptionId, SubscriptionSpec};
 use super::worker::WorkerPool;
 use super::{wait_until, DispatcherStats, Engine, Handler, Phase, SubscriptionStats};
 use crate::error::Error;
@@ -147,7 +147,10 @@ impl<T: Transport> Engine<T> {
                 consumer,
                 handler,
                 self.woken.clone(),
-                self.timings,
+                Recording {
+                    timings: self.timings,
+                    metrics: self.metrics_interval.is_some(),
+                },
             ));
             entry.insert(subscription.clone());
             subscription

@@ -103,11 +103,20 @@ pub(crate) struct Subscription<T: Transport> {
     /// close waits for the first.
     closing: Cell<bool>,
     consumer_closed: Notify,
-    metrics: RefCell<SubscriptionMetrics>,
+    /// Its series in the metrics recorder; `None` with metrics off.
+    metrics: RefCell<Option<SubscriptionMetrics>>,
     /// (messages received, when that count was first seen).
     last_received: Cell<(u64, Option<Instant>)>,
     /// Deadlines of its handlers running with a processing deadline.
     deadlines: RefCell<Vec<Instant>>,
+}
+
+/// What a subscription records: timings (its latency histograms, also to
+/// the metrics recorder) and metrics (its series in the recorder).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Recording {
+    pub(crate) timings: bool,
+    pub(crate) metrics: bool,
 }
 
 /// What one subscription records with timings on.
@@ -160,7 +169,7 @@ impl<T: Transport> Subscription<T> {
         consumer: T::Consumer,
         handler: Handler<T>,
         woken: Arc<WokenList>,
-        timings: bool,
+        recording: Recording,
     ) -> Self {
         let waker_state = SubscriptionWaker::new(id.index, woken);
         let info = spec.info();
@@ -187,12 +196,14 @@ impl<T: Transport> Subscription<T> {
             failures: RefCell::default(),
             closing: Cell::new(false),
             consumer_closed: Notify::new(),
-            metrics: RefCell::new(SubscriptionMetrics::register(
-                &info_topic,
-                info_subscription.as_deref(),
-                spec.scheduling.priority,
-            )),
-            timings: timings.then(Timings::default),
+            metrics: RefCell::new(recording.metrics.then(|| {
+                SubscriptionMetrics::register(
+                    &info_topic,
+                    info_subscription.as_deref(),
+                    spec.scheduling.priority,
+                )
+            })),
+            timings: recording.timings.then(Timings::default),
             last_received: Cell::new((0, None)),
             deadlines: RefCell::default(),
         }
@@ -527,9 +538,10 @@ impl<T: Transport> Subscription<T> {
         if let Some(timings) = &self.timings {
             timings.slot_wait.record(waited);
             timings.handler_duration.record(ran);
-            let metrics = self.metrics.borrow();
-            metrics.slot_wait.record(waited.as_secs_f64());
-            metrics.handler_duration.record(ran.as_secs_f64());
+            if let Some(metrics) = self.metrics.borrow().as_ref() {
+                metrics.slot_wait.record(waited.as_secs_f64());
+                metrics.handler_duration.record(ran.as_secs_f64());
+            }
         }
     }
 
@@ -537,18 +549,22 @@ impl<T: Transport> Subscription<T> {
     /// after publishing `stats` (taken before the change) to the old ones
     /// and zeroing their gauges.
     pub(crate) fn relabel(&self, priority: i64, stats: &SubscriptionStats) {
-        self.metrics.borrow_mut().relabel(
-            &self.info.topic,
-            self.info.subscription.as_deref(),
-            priority,
-            stats,
-        );
+        if let Some(metrics) = self.metrics.borrow_mut().as_mut() {
+            metrics.relabel(
+                &self.info.topic,
+                self.info.subscription.as_deref(),
+                priority,
+                stats,
+            );
+        }
     }
 
     /// Publishes its numbers to the metrics recorder, and notes whether it
     /// received anything since the last look.
     pub(crate) fn publish(&self, stats: &SubscriptionStats, now: Instant) {
-        self.metrics.borrow().publish(stats);
+        if let Some(metrics) = self.metrics.borrow().as_ref() {
+            metrics.publish(stats);
+        }
         self.note_received(stats.received, now);
     }
 

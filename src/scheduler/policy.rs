@@ -19,9 +19,10 @@ pub enum SchedulingPolicy {
     /// proportion to its weight (deficit round robin across levels), so
     /// that no level starves.
     Weighted(Weights),
-    /// A waiting message's effective priority improves with its wait, up to
-    /// a bound, so that a long wait at a lower level eventually beats fresh
-    /// work at a better one.
+    /// A waiting message's effective priority improves with its wait,
+    /// without limit, so that a long wait at a lower level eventually beats
+    /// fresh work at a better one; only levels within the aging's
+    /// `max_boost` of the best level with work compete.
     Aging(Aging),
 }
 

@@ -443,6 +443,44 @@ fn an_unsubscribed_subscriptions_last_numbers_reach_the_recorder() {
     assert_eq!(succeeded, [("1".to_owned(), DebugValue::Counter(3))]);
 }
 
+/// With `metrics_interval(None)` nothing reaches the recorder: no series
+/// at subscribe, at a priority change, at unsubscribe or from the timings.
+#[test]
+fn with_metrics_off_nothing_reaches_the_recorder() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .metrics_interval(None)
+            .timings(true)
+            .build(transport.clone())
+            .unwrap();
+        let jobs = dispatcher
+            .subscribe("jobs", outcome_by_payload, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        for _ in 0..3 {
+            transport.send("jobs", "ok");
+        }
+        transport.wait_acked("jobs", 3).await;
+        jobs.set_priority(2).unwrap();
+        dispatcher.unsubscribe(jobs).await.unwrap();
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+    let series: Vec<String> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, ..)| key.key().name().to_owned())
+        .collect();
+    assert!(series.is_empty(), "{series:?}");
+}
+
 /// The handlers running, as stats and health report them, are the
 /// subscriptions' in-flight handlers: not the permits a worker keeps while
 /// it steps aside for the runtime between two messages. A monitor task
