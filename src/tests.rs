@@ -807,6 +807,43 @@ fn misuse_is_refused_with_a_typed_error() {
     });
 }
 
+/// After `close()` a subscription is not gone: its handle answers with its
+/// last state, and changing or removing it is accepted and changes nothing.
+/// Once unsubscribed, it is gone.
+#[test]
+fn a_closed_dispatchers_handles_still_answer() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let log = Log::default();
+        let jobs = dispatcher
+            .subscribe("jobs", recorder(&log, "jobs"), options(3))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.send("jobs", "1");
+        transport.wait_acked("jobs", 1).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(jobs.info().map(|info| info.priority), Some(3));
+        assert_eq!(jobs.stats().map(|stats| stats.succeeded), Some(1));
+        jobs.set_priority(7).unwrap();
+        assert_eq!(jobs.info().map(|info| info.priority), Some(7));
+        let again = jobs.clone();
+        dispatcher.unsubscribe(jobs).await.unwrap();
+        assert_eq!(transport.open_consumers(), 0);
+        assert_eq!(dispatcher.stats().subscriptions.len(), 1);
+        drop(dispatcher);
+        // The closed workers' tasks hold the engine until their last turn.
+        settle_down().await;
+        assert!(again.info().is_none());
+        assert!(matches!(
+            again.set_priority(1),
+            Err(Error::UnknownSubscription { .. })
+        ));
+    });
+}
+
 #[test]
 fn a_subscribe_that_completes_after_run_started_takes_part() {
     run_local(async {
