@@ -36,6 +36,13 @@ pub fn full_topic_name(name: &str) -> Result<String, Error> {
     }
 }
 
+/// Whether a full topic name is of a non-persistent topic: one whose
+/// broker keeps nothing to deliver again, and which gives its messages no
+/// ids of their own (every message of a partition is `0:0`).
+pub(crate) fn is_non_persistent(full_name: &str) -> bool {
+    full_name.starts_with("non-persistent://")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,8 +23,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    close_and_join, fresh_topic, is_topic_or_partition, pulsar_url, run_local, start, unique_name,
-    wait_for_empty_backlog, wait_for_stats, wait_until, TopicKind,
+    admin_request, close_and_join, fresh_topic, is_topic_or_partition, pulsar_url, run_local,
+    start, unique_name, wait_for_empty_backlog, wait_for_stats, wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 use tokio::sync::Notify;
@@ -698,4 +698,106 @@ fn the_ack_timeout_leaves_an_acked_batch_alone(kind: TopicKind) {
             "no rewind delivered the held message again: {stats:?}"
         );
     });
+}
+
+/// A non-persistent topic gives every message of a partition the id `0:0`
+/// (its broker stores nothing): no message may be taken for a redelivery or
+/// a second copy because of that, on any subscription type, plain or
+/// partitioned, batched or not.
+#[test]
+fn every_message_of_a_non_persistent_topic_is_handled() {
+    run_local(Duration::from_secs(240), async {
+        let mut failures = Vec::new();
+        for subscription_type in [
+            SubType::Shared,
+            SubType::KeyShared,
+            SubType::Exclusive,
+            SubType::Failover,
+        ] {
+            for partitions in [0, 3] {
+                let name = unique_name("non-persistent");
+                let topic = format!("non-persistent://public/default/{name}");
+                if partitions > 0 {
+                    let path = format!("/admin/v2/non-persistent/public/default/{name}/partitions");
+                    let (status, body) =
+                        admin_request("PUT", &path, Some(&partitions.to_string())).unwrap();
+                    assert!((200..300).contains(&status), "HTTP {status}: {body}");
+                }
+                let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+                let seen = Seen::default();
+                let options = SubscribeOptions::new()
+                    .subscription(unique_name("sub"))
+                    .subscription_type(subscription_type)
+                    // The broker drops what a non-persistent consumer has
+                    // no room for: room for all of them.
+                    .receiver_queue_size(100);
+                dispatcher
+                    .subscribe(&topic, recording(&seen), options)
+                    .await
+                    .unwrap();
+                let run = start(&dispatcher);
+                // Non-persistent messages go only to consumers already there.
+                wait_until("the consumer", Duration::from_secs(10), || {
+                    dispatcher.health().is_ready()
+                })
+                .await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                publish_batched(&topic, 25, None).await;
+                publish_batched(&topic, 25, Some(5)).await;
+                let begun = std::time::Instant::now();
+                while seen.borrow().len() < 50 && begun.elapsed() < Duration::from_secs(10) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let total = dispatcher.stats().total();
+                close_and_join(&dispatcher, run).await;
+                let handled: BTreeSet<String> = seen
+                    .borrow()
+                    .iter()
+                    .map(|(_, payload)| payload.clone())
+                    .collect();
+                if handled.len() != 50 {
+                    failures.push(format!(
+                        "{subscription_type:?}, {partitions} partitions: {} of 50 handled \
+                         (taken for acked redeliveries {}, for second copies {})",
+                        handled.len(),
+                        total.redelivered_after_ack,
+                        total.dropped_in_flight
+                    ));
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    });
+}
+
+/// Publishes `count` numbered messages (`<offset + n>`) to `topic`, in
+/// batches of `batch` when given.
+async fn publish_batched(topic: &str, count: usize, batch: Option<u32>) {
+    let offset = if batch.is_some() { 1000 } else { 0 };
+    let client = common::client().await;
+    let mut producer = client
+        .producer()
+        .with_topic(topic)
+        .with_options(pulsar::ProducerOptions {
+            batch_size: batch,
+            // Partial batches (a partition's last few) go out too.
+            batch_timeout: batch.map(|_| Duration::from_millis(20)),
+            block_queue_if_full: true,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .expect("producer");
+    let mut receipts = Vec::new();
+    for n in 0..count {
+        let message = pulsar::producer::Message {
+            payload: (offset + n).to_string().into_bytes(),
+            partition_key: Some(format!("key-{}", n % 7)),
+            ..Default::default()
+        };
+        receipts.push(producer.send_non_blocking(message).await.expect("send"));
+    }
+    for receipt in receipts {
+        receipt.await.expect("receipt");
+    }
 }

@@ -43,6 +43,7 @@ use super::{
     Consumer, ConsumerSpec, OutgoingMessage, Producer, Repairs, Transport, TransportError,
 };
 use crate::message::{Message, MessageId, Metadata};
+use crate::topic::is_non_persistent;
 
 /// A connection to a Pulsar cluster through the `pulsar` crate.
 pub struct PulsarTransport {
@@ -117,10 +118,12 @@ impl Transport for PulsarTransport {
         self.brokers.disable_nagle();
         let spec = &subscriber.spec;
         let remembered = remembered_acks(spec.receiver_queue_size, partitions.len());
-        let rewinds = matches!(
-            spec.subscription_type,
-            SubType::Exclusive | SubType::Failover
-        )
+        let persistent = !is_non_persistent(&spec.topic);
+        let rewinds = (persistent
+            && matches!(
+                spec.subscription_type,
+                SubType::Exclusive | SubType::Failover
+            ))
         .then(RewindCheck::new);
         let acks_each_member = spec.unacked_message_resend_delay.is_some();
         Ok(PulsarConsumer {
@@ -131,6 +134,7 @@ impl Transport for PulsarTransport {
             recent_acks: RecentAcks::new(remembered),
             rewinds,
             acks_each_member,
+            persistent,
             brokers: self.brokers.clone(),
         })
     }
@@ -190,6 +194,10 @@ pub struct PulsarConsumer {
     /// With the crate's ack timeout on, a batch is acked member by member
     /// (see `ack_each_member`).
     acks_each_member: bool,
+    /// False on a non-persistent topic, where the broker delivers nothing
+    /// again and every message of a partition has the id `0:0`: ids name
+    /// no entries there, so nothing is held, remembered or dropped by id.
+    persistent: bool,
     brokers: Rc<BrokerSockets>,
 }
 
@@ -298,6 +306,9 @@ impl PulsarConsumer {
     /// Whether the message is one the broker delivered again although it was
     /// acked (the ack was lost with a connection); if so, acks it again.
     fn was_acked(&mut self, id: &MessageId) -> bool {
+        if !self.persistent {
+            return false;
+        }
         let Some(resend) = self.recent_acks.redelivered(entry_of(id), Instant::now()) else {
             return false;
         };
@@ -380,6 +391,9 @@ impl PulsarConsumer {
     }
 
     fn settle(&mut self, id: &MessageId, succeeded: bool) -> Result<(), TransportError> {
+        if !self.persistent {
+            return self.send_settlement(id, succeeded).map(drop);
+        }
         if let Some(rewinds) = &mut self.rewinds {
             rewinds.settled(id);
         }
