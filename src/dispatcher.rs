@@ -130,8 +130,8 @@ impl DispatcherBuilder {
 
     /// How often the counters and gauges are published to the `metrics`
     /// facade's recorder (every second by default; `None`: never). They are
-    /// kept in the dispatcher and published as absolute values, so the data
-    /// path never touches the recorder. Install the recorder before the
+    /// kept in the dispatcher and published as what they grew by since the
+    /// last publish, so the data path never touches the recorder. Install the recorder before the
     /// dispatcher is built: its permits gauge is registered then, and a
     /// subscription's metrics at subscribe.
     pub fn metrics_interval(mut self, interval: Option<Duration>) -> Self {

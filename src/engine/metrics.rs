@@ -2,18 +2,20 @@
 //!
 //! Counters and gauges are not touched per message: the engine publishes
 //! its own `Cell` counters (the same that [`stats`](crate::Dispatcher::stats)
-//! reads) every publishing interval, as absolute values, so a recorder adds
-//! nothing to the data path and no recorder costs nothing. Only the two
-//! histograms are recorded per message, and only when timings are on.
-//! Handles are registered when a subscription is made (or changes
-//! priority), and the permits gauge when the dispatcher is built, so a
-//! recorder must be installed before that; with metrics off nothing is
-//! registered.
+//! reads) every publishing interval, as what they grew by since the last
+//! publish, so a recorder adds nothing to the data path and no recorder
+//! costs nothing. Only the two histograms are recorded per message, and
+//! only when timings are on. Handles are registered when a subscription is
+//! made (or changes priority), and the permits gauge when the dispatcher is
+//! built, so a recorder must be installed before that; with metrics off
+//! nothing is registered.
 //!
-//! A priority change starts new series (the priority is a label): the old
-//! ones keep what happened at the old priority, and the new ones count from
-//! zero (or, back at an earlier priority, on from what its series show),
-//! so that summing over priorities gives the subscription's totals.
+//! A series is named by its labels (topic, subscription name, priority),
+//! and more than one subscription can feed it over time: a priority change
+//! moves a subscription to the series of its new priority (and back), a
+//! subscription made again after an unsubscribe takes up the series of the
+//! one before. Publishing increments, never absolute values, makes every
+//! series the sum of what was counted under its labels, whoever counted it.
 
 use metrics::{Counter, Gauge, Histogram, Label};
 
@@ -29,30 +31,26 @@ pub(crate) const HANDLER_DURATION: &str = "pulsar_dispatcher_handler_duration_se
 /// The handles of one subscription's metrics.
 pub(crate) struct SubscriptionMetrics {
     counters: Vec<Counter>,
-    /// The counts when these series started (non-zero after a priority
-    /// change).
-    baseline: Vec<u64>,
+    /// The subscription's counts when they were last published: what the
+    /// next publish adds is what they grew by since.
+    published: Vec<u64>,
     in_flight: Gauge,
     slot_occupied: Gauge,
     pub(crate) slot_wait: Histogram,
     pub(crate) handler_duration: Histogram,
-    priority: i64,
-    /// What the series of each priority left behind show, for a return to
-    /// one of them.
-    shown_before: Vec<(i64, Vec<u64>)>,
 }
 
 impl SubscriptionMetrics {
-    /// Registers the metrics of a subscription, labelled with its topic,
-    /// subscription name and priority.
+    /// Registers the metrics of a new subscription, labelled with its
+    /// topic, subscription name and priority.
     pub(crate) fn register(topic: &str, subscription: Option<&str>, priority: i64) -> Self {
-        let baseline = vec![0; SubscriptionStats::default().counter_values().count()];
-        Self::with_baseline(topic, subscription, priority, baseline)
+        let published = vec![0; SubscriptionStats::default().counter_values().count()];
+        Self::labelled(topic, subscription, priority, published)
     }
 
     /// Registers the series of the subscription's new `priority`, after
-    /// publishing `stats` (taken before the change) to the old ones: they
-    /// count from what they showed before, or from zero.
+    /// publishing `stats` (taken before the change) to the old ones and
+    /// zeroing their gauges: from here on its counts go to the new series.
     pub(crate) fn relabel(
         &mut self,
         topic: &str,
@@ -60,36 +58,18 @@ impl SubscriptionMetrics {
         priority: i64,
         stats: &SubscriptionStats,
     ) {
-        self.retire(stats);
-        let counts: Vec<u64> = stats.counter_values().map(|(_, value)| value).collect();
-        let shown = counts
-            .iter()
-            .zip(&self.baseline)
-            .map(|(count, base)| count.saturating_sub(*base))
-            .collect();
-        let mut shown_before = std::mem::take(&mut self.shown_before);
-        shown_before.retain(|(earlier, _)| *earlier != self.priority);
-        shown_before.push((self.priority, shown));
-        let baseline = match shown_before
-            .iter()
-            .find(|(earlier, _)| *earlier == priority)
-        {
-            Some((_, shown)) => counts
-                .iter()
-                .zip(shown)
-                .map(|(count, shown)| count.saturating_sub(*shown))
-                .collect(),
-            None => counts,
-        };
-        *self = Self::with_baseline(topic, subscription, priority, baseline);
-        self.shown_before = shown_before;
+        self.publish(stats);
+        self.in_flight.set(0.0);
+        self.slot_occupied.set(0.0);
+        let published = std::mem::take(&mut self.published);
+        *self = Self::labelled(topic, subscription, priority, published);
     }
 
-    fn with_baseline(
+    fn labelled(
         topic: &str,
         subscription: Option<&str>,
         priority: i64,
-        baseline: Vec<u64>,
+        published: Vec<u64>,
     ) -> Self {
         let labels = [
             Label::new("topic", topic.to_owned()),
@@ -102,32 +82,27 @@ impl SubscriptionMetrics {
             .collect();
         SubscriptionMetrics {
             counters,
-            baseline,
+            published,
             in_flight: metrics::gauge!(IN_FLIGHT, labels.iter()),
             slot_occupied: metrics::gauge!(SLOT_OCCUPIED, labels.iter()),
             slot_wait: metrics::histogram!(SLOT_WAIT, labels.iter()),
             handler_duration: metrics::histogram!(HANDLER_DURATION, labels.iter()),
-            priority,
-            shown_before: Vec::new(),
         }
     }
 
-    /// Publishes a snapshot of the subscription.
-    pub(crate) fn publish(&self, stats: &SubscriptionStats) {
-        let counts = stats.counter_values().zip(&self.baseline);
-        for (counter, ((_, value), base)) in self.counters.iter().zip(counts) {
-            counter.absolute(value.saturating_sub(*base));
+    /// Publishes a snapshot of the subscription: its counters by what they
+    /// grew, its gauges as they are.
+    pub(crate) fn publish(&mut self, stats: &SubscriptionStats) {
+        let counts = stats.counter_values().zip(&mut self.published);
+        for (counter, ((_, value), published)) in self.counters.iter().zip(counts) {
+            let grown = value.saturating_sub(*published);
+            if grown > 0 {
+                counter.increment(grown);
+                *published = value;
+            }
         }
         self.in_flight.set(stats.in_flight as f64);
         self.slot_occupied.set(stats.waiting as f64);
-    }
-
-    /// Publishes the counters a last time under these labels and zeroes
-    /// the gauges, whose values now count under the new labels.
-    fn retire(&self, stats: &SubscriptionStats) {
-        self.publish(stats);
-        self.in_flight.set(0.0);
-        self.slot_occupied.set(0.0);
     }
 }
 

@@ -562,7 +562,7 @@ impl<T: Transport> Subscription<T> {
     /// Publishes its numbers to the metrics recorder, and notes whether it
     /// received anything since the last look.
     pub(crate) fn publish(&self, stats: &SubscriptionStats, now: Instant) {
-        if let Some(metrics) = self.metrics.borrow().as_ref() {
+        if let Some(metrics) = self.metrics.borrow_mut().as_mut() {
             metrics.publish(stats);
         }
         self.note_received(stats.received, now);
