@@ -1336,6 +1336,7 @@ fn smoke() {
         500
     );
     assert_eq!(mt_port::idle(&runtime, 20).len(), 20);
+    latency::check_analysis();
     let found = on_local(latency::inversions(30, 100));
     assert_eq!(
         found.low_ran_dry, 0,

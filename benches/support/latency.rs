@@ -367,8 +367,13 @@ pub fn stalls(duration: Duration) -> Stalls {
 pub struct Inversions {
     /// High-priority messages sent (and handled).
     pub high_messages: usize,
-    /// Low-priority messages dispatched while a high-priority message was
-    /// in its slot.
+    /// Low-priority messages dispatched while a high-priority message
+    /// waited: from its send until its dispatch. The wait starts at the
+    /// send, not when the dispatcher takes the message from its consumer,
+    /// so that a dispatcher that picks before it takes what arrived is
+    /// charged; it ends at the dispatch, not at the handler's start, since
+    /// jobs picked before the high one may start after it without having
+    /// overtaken it.
     pub inversions: usize,
     /// Per high-priority message: its handler's start minus the first
     /// permit release after it was sent (or minus its send, when no permit
@@ -611,24 +616,24 @@ pub async fn inversions(high_messages: usize, low_work: u64) -> Inversions {
 /// Walks the log; see [`Inversions`] for what is counted.
 fn analyse(log: &[(u64, Seen)]) -> Inversions {
     let mut found = Inversions::default();
-    // The high-priority message under way: when it was sent, the first
-    // permit release after that, and whether it is in its slot.
+    // The high-priority message under way: when it was sent, and the first
+    // permit release after that.
     let mut sent_at: Option<u64> = None;
     let mut released_at: Option<u64> = None;
-    let mut in_slot = false;
+    let mut waiting = Waiting::No;
     // Whether the low-priority consumer last had nothing: then its next
     // message fills a slot that was empty, not one emptied by a dispatch.
     let mut low_dry = true;
     for &(at, seen) in log {
+        waiting = waiting.after(seen);
         match seen {
             Seen::HighSent => {
                 sent_at = Some(at);
                 released_at = None;
             }
-            Seen::HighReceived => in_slot = true,
-            Seen::HighPolledEmpty => in_slot = false,
+            Seen::HighReceived | Seen::HighPolledEmpty => {}
             Seen::LowReceived => {
-                if !std::mem::take(&mut low_dry) && in_slot {
+                if !std::mem::take(&mut low_dry) && waiting != Waiting::No {
                     found.inversions += 1;
                 }
             }
@@ -653,6 +658,77 @@ fn analyse(log: &[(u64, Seen)]) -> Inversions {
         }
     }
     found
+}
+
+/// Where the high-priority message under way is, for the inversion count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Waiting {
+    /// Dispatched, or none sent: nothing waits.
+    No,
+    /// Sent, not yet taken from its consumer: it waits all the same (a
+    /// dispatcher that picks before it takes what arrived lets low
+    /// messages overtake it here).
+    Sent,
+    /// In its subscription's slot.
+    InSlot,
+}
+
+impl Waiting {
+    /// The state after `seen`. A poll of the high consumer with nothing to
+    /// give ends the wait only once the message was taken: the slot is
+    /// refilled (the consumer polled) right after its message is
+    /// dispatched, and never while it is full.
+    fn after(self, seen: Seen) -> Waiting {
+        match (self, seen) {
+            (_, Seen::HighSent) => Waiting::Sent,
+            (Waiting::Sent, Seen::HighReceived) => Waiting::InSlot,
+            (Waiting::InSlot, Seen::HighPolledEmpty) => Waiting::No,
+            (state, _) => state,
+        }
+    }
+}
+
+/// Checks [`analyse`] on hand-made logs (the smoke run calls it): low
+/// dispatches count from the high message's send to its dispatch, and not
+/// after it, even before its handler starts.
+pub fn check_analysis() {
+    use Seen::*;
+    let log = |events: &[Seen]| -> Vec<(u64, Seen)> {
+        events
+            .iter()
+            .enumerate()
+            .map(|(at, &seen)| (at as u64, seen))
+            .collect()
+    };
+    // A low message dispatched between the send and the receive: the
+    // count that started at the receive missed it.
+    let picked_before_taken = log(&[
+        LowReceived,
+        HighSent,
+        HighPolledEmpty,
+        LowReturned,
+        LowReceived,
+        HighReceived,
+        HighPolledEmpty,
+        HighStarted,
+    ]);
+    assert_eq!(analyse(&picked_before_taken).inversions, 1);
+    // Picked after the high message, started before it: no inversion.
+    let started_first = log(&[
+        LowReceived,
+        HighSent,
+        HighReceived,
+        HighPolledEmpty,
+        LowReturned,
+        LowReceived,
+        HighStarted,
+    ]);
+    let found = analyse(&started_first);
+    assert_eq!((found.inversions, found.high_messages), (0, 1));
+    assert_eq!(found.excess_wait, [2]);
+    // The first receive of a dry backlog fills an empty slot: no dispatch.
+    let refilled = log(&[LowPolledEmpty, HighSent, LowReceived, HighReceived]);
+    assert_eq!(analyse(&refilled).inversions, 0);
 }
 
 /// One dispatcher per core on the in-memory transport: `cores` dispatchers
