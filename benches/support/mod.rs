@@ -538,8 +538,11 @@ impl OursLatency {
         self.local.block_on(&self.runtime, async {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                self.transport.send(LATENCY_TOPIC, Vec::new());
+                // Taken before the send, as the port, the floor and the
+                // report's idle figure take it: the send is part of the
+                // path (it wakes the consumer).
                 let sent = Instant::now();
+                self.transport.send(LATENCY_TOPIC, Vec::new());
                 self.signal.notified().await;
                 total += self.started.take().expect("the handler ran") - sent;
                 // Let the ack and the permit settle before the next message.
