@@ -726,17 +726,23 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
     insert(report, "machine_stall_p50_ns", stalls.gap_p50_ns);
     insert(report, "machine_stall_lost_fraction", stalls.lost_fraction);
 
+    // How long the port's open-loop rounds take, all loads together (with
+    // their warm-ups and the pause after each): what pooling its rounds as
+    // ours' are pooled costs the run.
+    let mut port_seconds = 0.0;
     for load in LOADS {
         let rate = saturation * f64::from(load) / 100.0;
         let interval = Duration::from_secs_f64(1.0 / rate);
         eprintln!(
             "in memory: open-loop arrivals at {load}% ({rate:.0} msg/s): ours, the plain loop, the port"
         );
-        let pooled = pooled_open_loop(interval, sizes.latency, sizes.repeats);
-        let (ours, plain) = (
+        let pooled = pooled_open_loop(mt_runtime, interval, sizes.latency, sizes.repeats);
+        let (ours, plain, port) = (
             Percentiles::of(&pooled.ours),
             Percentiles::of(&pooled.plain),
+            Percentiles::of(&pooled.port),
         );
+        port_seconds += pooled.port_seconds;
         detail.insert(
             format!("ours_{load}pct_kept_up"),
             json!(pooled.ours_kept_up == sizes.repeats),
@@ -745,12 +751,10 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
             format!("ours_{load}pct_rounds_kept_up"),
             json!(pooled.ours_kept_up),
         );
-        let port = steady(&mt_port::open_loop(mt_runtime, interval, sizes.latency));
-        let_workers_park();
         for (bench, p, rounds) in [
             ("ours", &ours, sizes.repeats),
             ("plain_loop", &plain, sizes.repeats),
-            ("mt_port", &port, 1),
+            ("mt_port", &port, sizes.repeats),
         ] {
             emit(
                 json!({"bench": "open_loop_latency", "impl": bench, "load_pct": load,
@@ -775,6 +779,11 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
             _ => {}
         }
     }
+    emit(
+        json!({"bench": "mt_port_open_loop_time", "rounds": sizes.repeats,
+                "seconds": port_seconds}),
+    );
+    detail.insert("mt_port_open_loop_seconds".into(), json!(port_seconds));
     // The load point the report used before the sustained rate: 80% of
     // the backlog rate, at which ours queued for the whole of runs 11 to
     // 13; kept to compare with them.
@@ -794,27 +803,38 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
     insert(report, "latency_ns", Value::Object(detail));
 }
 
-/// Ours' and the plain loop's lateness at one offered rate, over
-/// `rounds` runs of `messages` each, taken in turn.
+/// Ours', the plain loop's and the port's lateness at one offered rate,
+/// over `rounds` runs of `messages` each, taken in turn.
 struct PooledOpenLoop {
     /// The steady part of every round of ours, pooled.
     ours: Vec<u64>,
     plain: Vec<u64>,
+    port: Vec<u64>,
     /// In how many rounds ours kept up.
     ours_kept_up: usize,
+    /// The wall time the port's rounds took, in seconds.
+    port_seconds: f64,
 }
 
-/// Runs ours and the plain loop in turn, `rounds` times each, and pools
-/// the steady part of their rounds. A run of 200,000 messages lasts a
+/// Runs ours, the plain loop and the port in turn, `rounds` times each,
+/// and pools the steady part of their rounds (the port as many as the
+/// others, so that its p99 rests on as many samples and stalls). A run of 200,000 messages lasts a
 /// tenth of a second at these rates, so one stall of the machine of half a
 /// millisecond, and the queue it leaves, covers more than a percent of
 /// it: pooled rounds let the p99 say how often such stalls come, not
 /// whether one fell into a single run.
-fn pooled_open_loop(interval: Duration, messages: usize, rounds: usize) -> PooledOpenLoop {
+fn pooled_open_loop(
+    mt_runtime: &tokio::runtime::Runtime,
+    interval: Duration,
+    messages: usize,
+    rounds: usize,
+) -> PooledOpenLoop {
     let mut pooled = PooledOpenLoop {
         ours: Vec::with_capacity(messages * rounds),
         plain: Vec::with_capacity(messages * rounds),
+        port: Vec::with_capacity(messages * rounds),
         ours_kept_up: 0,
+        port_seconds: 0.0,
     };
     for _ in 0..rounds {
         let (lateness, _) = on_local(latency::ours_open_loop(interval, messages));
@@ -822,6 +842,11 @@ fn pooled_open_loop(interval: Duration, messages: usize, rounds: usize) -> Poole
         pooled.ours.extend_from_slice(steady_part(&lateness));
         let lateness = on_local(latency::plain_open_loop(interval, messages));
         pooled.plain.extend_from_slice(steady_part(&lateness));
+        let began = std::time::Instant::now();
+        let lateness = mt_port::open_loop(mt_runtime, interval, messages);
+        let_workers_park();
+        pooled.port_seconds += began.elapsed().as_secs_f64();
+        pooled.port.extend_from_slice(steady_part(&lateness));
     }
     pooled
 }

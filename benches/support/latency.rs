@@ -64,7 +64,7 @@ const TOPIC: &str = "open-loop";
 /// as a pause of the dispatcher. After `2^k + 1` messages the log has room
 /// for `2^k - 1` more, so a run of fewer than `2^k` messages appends
 /// without reallocating.
-fn warm_up_messages(messages: usize) -> usize {
+pub fn warm_up_messages(messages: usize) -> usize {
     (messages + 1).next_power_of_two() + 1
 }
 

@@ -37,7 +37,8 @@ use pulsar_dispatcher::MessageId;
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
-use super::{requeue, Workload};
+use super::latency::warm_up_messages;
+use super::Workload;
 
 /// A message of the multi-threaded port.
 #[derive(Clone, Debug)]
@@ -391,11 +392,52 @@ pub fn run_counted(
 }
 
 /// Records when each message's handler started, in nanoseconds after a
-/// common origin, indexed by entry id.
+/// common origin, indexed by entry id less `offset` (the messages before
+/// `offset`, a warm-up, are only counted); wakes the task waiting in
+/// [`StampStarts::handled`] when the count it waits for is reached.
 pub struct StampStarts {
     origin: Instant,
     started: Arc<[AtomicU64]>,
+    offset: usize,
     count: AtomicUsize,
+    /// The count [`StampStarts::handled`] waits for.
+    until: AtomicUsize,
+    reached: Notify,
+}
+
+impl StampStarts {
+    fn new(origin: Instant, messages: usize, offset: usize) -> Arc<StampStarts> {
+        Arc::new(StampStarts {
+            origin,
+            started: (0..messages).map(|_| AtomicU64::new(0)).collect(),
+            offset,
+            count: AtomicUsize::new(0),
+            until: AtomicUsize::new(usize::MAX),
+            reached: Notify::new(),
+        })
+    }
+
+    /// Waits, parked rather than spinning (a spinning waiter would be a
+    /// third runnable thread beside the port's two workers on a 2-core
+    /// machine), until `count` handlers have started. `until` and `count`
+    /// are written and read in opposite orders, all sequentially
+    /// consistent, so that the handler sees the target or this task sees
+    /// the count.
+    async fn handled(&self, count: usize) {
+        self.until.store(count, Ordering::SeqCst);
+        loop {
+            let reached = self.reached.notified();
+            if self.count.load(Ordering::SeqCst) >= count {
+                return;
+            }
+            reached.await;
+        }
+    }
+
+    /// Each message's start, in nanoseconds after the origin.
+    fn stamps(&self) -> &[AtomicU64] {
+        &self.started
+    }
 }
 
 impl MtHandler for StampStarts {
@@ -406,30 +448,54 @@ impl MtHandler for StampStarts {
     ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'a {
         async move {
             let now = self.origin.elapsed().as_nanos() as u64;
-            self.started[message.id.entry_id() as usize].store(now, Ordering::Relaxed);
-            self.count.fetch_add(1, Ordering::Release);
+            let entry = message.id.entry_id() as usize;
+            if let Some(index) = entry.checked_sub(self.offset) {
+                self.started[index].store(now, Ordering::Relaxed);
+            }
+            let count = self.count.fetch_add(1, Ordering::SeqCst) + 1;
+            if count == self.until.load(Ordering::SeqCst) {
+                self.reached.notify_one();
+            }
             Ok(())
         }
     }
 }
 
-/// Open-loop arrivals on the port: message `i` is due `i * interval` after
-/// the start and is sent by an arrival task on the port's own runtime (as
-/// ours' arrival task shares ours' thread) as soon as it is due. Returns,
-/// per message, how long after it was due its handler started.
+/// Sends `warm_up` messages at once and waits until they are handled: the
+/// same warm-up ours and the plain loop get before their latency runs
+/// (the ack log and the queues grow to their size first).
+async fn warm(topic: &MtTopic, handler: &StampStarts, warm_up: usize) {
+    for _ in 0..warm_up {
+        topic.send(Vec::new());
+    }
+    handler.handled(warm_up).await;
+}
+
+/// Aborts the port's tasks and waits until they are gone.
+async fn stop(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for task in &tasks {
+        task.abort();
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
+/// Open-loop arrivals on the port: after the warm-up ours gets, message
+/// `i` is due `i * interval` after the start and is sent by an arrival
+/// task on the port's own runtime (as ours' arrival task shares ours'
+/// thread) as soon as it is due. Returns, per message, how long after it
+/// was due its handler started.
 pub fn open_loop(runtime: &Runtime, interval: Duration, messages: usize) -> Vec<u64> {
     let origin = Instant::now();
-    let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
-    let handler = Arc::new(StampStarts {
-        origin,
-        started: started.clone(),
-        count: AtomicUsize::new(0),
-    });
+    let warm_up = warm_up_messages(messages);
+    let handler = StampStarts::new(origin, messages, warm_up);
     let topic = MtTopic::new("open-loop");
     let mut dispatcher = MtDispatcher::new(20);
     dispatcher.subscribe(topic.clone(), 0, handler.clone());
-    let due = runtime.block_on(async {
+    let start = runtime.block_on(async {
         let tasks = dispatcher.start();
+        warm(&topic, &handler, warm_up).await;
         let sender = {
             let topic = topic.clone();
             tokio::spawn(async move {
@@ -442,59 +508,64 @@ pub fn open_loop(runtime: &Runtime, interval: Duration, messages: usize) -> Vec<
             })
         };
         let start = sender.await.expect("the arrival task does not panic");
-        while handler.count.load(Ordering::Acquire) < messages {
-            requeue().await;
-        }
-        for task in &tasks {
-            task.abort();
-        }
-        for task in tasks {
-            let _ = task.await;
-        }
+        handler.handled(warm_up + messages).await;
+        stop(tasks).await;
         start
     });
-    super::lateness(&started, due, interval)
+    super::lateness(handler.stamps(), start, interval)
 }
 
-/// The port when idle: one message at a time, from just before the send
-/// to its handler starting, with the previous message settled.
+/// The port when idle, after the warm-up ours gets: one message at a time,
+/// from just before the send to its handler starting, with the previous
+/// message settled. The messages are sent by a task on the port's runtime
+/// that parks between them, as ours' arrival task shares ours' thread.
 pub fn idle(runtime: &Runtime, messages: usize) -> Vec<u64> {
     let origin = Instant::now();
-    let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
-    let handler = Arc::new(StampStarts {
-        origin,
-        started: started.clone(),
-        count: AtomicUsize::new(0),
-    });
+    let warm_up = warm_up_messages(messages);
+    let handler = StampStarts::new(origin, messages, warm_up);
     let topic = MtTopic::new("idle");
     let mut dispatcher = MtDispatcher::new(20);
     dispatcher.subscribe(topic.clone(), 0, handler.clone());
     let sent_at = runtime.block_on(async {
         let tasks = dispatcher.start();
-        let mut sent_at = Vec::with_capacity(messages);
-        for index in 0..messages {
-            while topic.acked_count() < index {
-                requeue().await;
-            }
-            sent_at.push(origin.elapsed().as_nanos() as u64);
-            topic.send(Vec::new());
-            while handler.count.load(Ordering::Acquire) <= index {
-                requeue().await;
-            }
-        }
-        for task in &tasks {
-            task.abort();
-        }
-        for task in tasks {
-            let _ = task.await;
-        }
+        warm(&topic, &handler, warm_up).await;
+        let sender = {
+            let (topic, handler) = (topic.clone(), handler.clone());
+            tokio::spawn(
+                async move { send_one_at_a_time(&topic, &handler, warm_up, messages).await },
+            )
+        };
+        let sent_at = sender.await.expect("the sending task does not panic");
+        stop(tasks).await;
         sent_at
     });
     sent_at
         .iter()
-        .zip(started.iter())
+        .zip(handler.stamps())
         .map(|(sent, stamp)| stamp.load(Ordering::Relaxed).saturating_sub(*sent))
         .collect()
+}
+
+/// Sends `messages` one at a time after the `warm_up` handled ones, each
+/// once the previous one is acked; returns when each was sent.
+async fn send_one_at_a_time(
+    topic: &MtTopic,
+    handler: &StampStarts,
+    warm_up: usize,
+    messages: usize,
+) -> Vec<u64> {
+    let mut sent_at = Vec::with_capacity(messages);
+    for index in warm_up..warm_up + messages {
+        // The ack follows the handler's start at once, in the same task:
+        // this rarely yields more than once.
+        while topic.acked_count() < index {
+            tokio::task::yield_now().await;
+        }
+        sent_at.push(handler.origin.elapsed().as_nanos() as u64);
+        topic.send(Vec::new());
+        handler.handled(index + 1).await;
+    }
+    sent_at
 }
 
 /// Signals each handler start to the measuring task.
