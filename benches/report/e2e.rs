@@ -35,7 +35,7 @@ use serde_json::{json, Map, Value};
 use super::support::{on_local, receive_into};
 use super::{
     allocations, cpu_ns, emit, insert, median, one_and_two, python, python_script, run_python,
-    steady, Sizes,
+    steady, successful_runs, Sizes,
 };
 
 pub fn pulsar_url() -> String {
@@ -583,20 +583,9 @@ fn python_e2e(
         "--warmup".into(),
         e2e_warmup(messages, receiver_queue).to_string(),
     ];
-    // The C++ client has been seen to crash now and then on exit; a fresh
-    // topic and another try make the figure.
-    let python = python.to_path_buf();
-    let mut attempt = run_python(&python, "e2e_bench.py", &args);
-    for _ in 0..2 {
-        if attempt.is_ok() {
-            break;
-        }
-        eprintln!("  retrying after: {}", attempt.as_ref().unwrap_err());
-        let mut args = args.clone();
-        args[3] = fresh_topic("python");
-        attempt = run_python(&python, "e2e_bench.py", &args);
-    }
-    let value = attempt?;
+    // The C++ client has been seen to crash now and then on exit: the
+    // caller tries again ([`successful_runs`]), each try on a fresh topic.
+    let value = run_python(&python.to_path_buf(), "e2e_bench.py", &args)?;
     Ok(Rate {
         msgs_per_s: value["msgs_per_s"].as_f64().unwrap_or(f64::NAN),
         cpu_us_per_msg: value["cpu_us_per_msg"].as_f64().unwrap_or(f64::NAN),
@@ -765,8 +754,8 @@ fn rates(
     }
 }
 
-/// The Python original on the broker, the median of up to three runs per
-/// receiver queue.
+/// The Python original on the broker, the median of three runs per
+/// receiver queue (fewer, said so, if six tries did not make three).
 fn python_rates(
     python: Option<&std::path::Path>,
     url: &str,
@@ -783,20 +772,17 @@ fn python_rates(
                 } else {
                     sizes.python_e2e
                 };
-                let mut runs = Vec::new();
-                for _ in 0..sizes.python_repeats.min(3) {
-                    match python_e2e(python, url, messages, receiver_queue) {
-                        Ok(rate) => runs.push(rate),
-                        Err(error) => eprintln!("  a run failed: {error}"),
-                    }
-                }
+                let wanted = sizes.python_repeats.min(3);
+                let runs = successful_runs(wanted, "the Python original (broker)", || {
+                    python_e2e(python, url, messages, receiver_queue)
+                });
                 if runs.is_empty() {
                     continue;
                 }
                 let rate = medians(&runs);
                 emit(
                     json!({"bench": "e2e_python", "receiver_queue": receiver_queue,
-                            "messages": messages, "runs": runs.len(),
+                            "messages": messages, "runs": runs.len(), "runs_wanted": wanted,
                             "msgs_per_s": rate.msgs_per_s,
                             "cpu_us_per_msg": rate.cpu_us_per_msg}),
                 );
@@ -806,6 +792,10 @@ fn python_rates(
                     json!(rate.cpu_us_per_msg),
                 );
                 detail.insert(format!("python_runs_q{receiver_queue}"), json!(runs.len()));
+                detail.insert(
+                    format!("python_runs_wanted_q{receiver_queue}"),
+                    json!(wanted),
+                );
                 if receiver_queue == 1000 {
                     insert(report, "e2e_python_msgs_per_s", rate.msgs_per_s);
                     insert(report, "e2e_python_cpu_us_per_msg", rate.cpu_us_per_msg);
