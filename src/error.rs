@@ -182,14 +182,16 @@ pub enum Error {
     },
     /// A consumer kept returning errors for longer than its
     /// `receive_failure_limit`.
-    #[error("receiving from {topic} kept failing for {failing_for:?}: {last_error}")]
+    #[error("receiving from {topic} kept failing for {failing_for:?}")]
     ConsumerFailing {
         /// The full topic name.
         topic: String,
         /// How long it had been failing.
         failing_for: std::time::Duration,
-        /// The last error, as text.
-        last_error: String,
+        /// The last error the consumer returned (for a partition that could
+        /// not be subscribed again, [`TransportError::Resubscribing`]).
+        #[source]
+        last_error: TransportError,
     },
     /// One of the dispatcher's own tasks failed (a bug): the dispatcher was
     /// shut down.

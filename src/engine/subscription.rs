@@ -295,7 +295,7 @@ impl<T: Transport> Subscription<T> {
             }
             Poll::Ready(Some(Err(error))) => {
                 bump(&self.counters.receive_errors);
-                self.receive_failed(&error)
+                self.receive_failed(error)
             }
             Poll::Ready(None) => {
                 self.receiving.set(false);
@@ -308,7 +308,7 @@ impl<T: Transport> Subscription<T> {
 
     /// Schedules the next attempt after a receive error, logging at most
     /// every [`RECEIVE_ERROR_LOG_INTERVAL`]; gives up past the limit.
-    fn receive_failed(&self, error: &TransportError) -> Received {
+    fn receive_failed(&self, error: TransportError) -> Received {
         let now = Instant::now();
         let mut failures = self.failures.borrow_mut();
         if !self.still_failing(&failures, now) {
@@ -322,11 +322,11 @@ impl<T: Transport> Subscription<T> {
         let since = *failures.since.get_or_insert(now);
         let failing_for = now - since;
         if failing_for >= self.receive_failure_limit {
-            warn!(topic = %self.topic, %error, ?failing_for, "receiving keeps failing; stopping");
+            warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), %error, ?failing_for, "receiving keeps failing; stopping");
             return Received::Failed(Error::ConsumerFailing {
                 topic: self.info.topic.clone(),
                 failing_for,
-                last_error: error.to_string(),
+                last_error: error,
             });
         }
         let due_to_log = failures
@@ -334,7 +334,7 @@ impl<T: Transport> Subscription<T> {
             .is_none_or(|logged| now - logged >= RECEIVE_ERROR_LOG_INTERVAL);
         if due_to_log {
             let not_logged = std::mem::take(&mut failures.unlogged);
-            warn!(topic = %self.topic, %error, in_a_row = failures.in_a_row, not_logged, "receiving failed; retrying");
+            warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), %error, in_a_row = failures.in_a_row, not_logged, "receiving failed; retrying");
             failures.last_logged = Some(now);
         } else {
             failures.unlogged += 1;
@@ -375,18 +375,20 @@ impl<T: Transport> Subscription<T> {
         if failing_for < self.receive_failure_limit {
             return None;
         }
-        warn!(topic = %self.topic, ?failing_for, "part of the topic (a partition being subscribed again) keeps failing; stopping");
+        warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), ?failing_for, "part of the topic (a partition being subscribed again) keeps failing; stopping");
         Some(Error::ConsumerFailing {
             topic: self.info.topic.clone(),
             failing_for,
-            last_error: "a partition has not been subscribed again".into(),
+            last_error: TransportError::Resubscribing {
+                topic: self.info.topic.clone(),
+            },
         })
     }
 
     fn recovered(&self) {
         self.failing.set(false);
         let failures = std::mem::take(&mut *self.failures.borrow_mut());
-        info!(topic = %self.topic, errors = failures.in_a_row, "receiving works again");
+        info!(topic = %self.topic, subscription = self.info.subscription.as_deref(), errors = failures.in_a_row, "receiving works again");
     }
 
     /// Tells the broker the verdict on a message, now or, for a nack with a
@@ -427,7 +429,7 @@ impl<T: Transport> Subscription<T> {
             Ok(()) => bump(done),
             Err(error) => {
                 bump(failed);
-                warn!(topic = %self.topic, message_id = %id, ?verdict, %error, "settling a message failed");
+                warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), message_id = %id, ?verdict, %error, "settling a message failed");
             }
         }
     }
@@ -503,8 +505,12 @@ impl<T: Transport> Subscription<T> {
         self.counters.copy_repairs(consumer.repairs());
         self.receiving.set(false);
         match consumer.close().await {
-            Ok(()) => debug!(topic = %self.topic, "consumer closed"),
-            Err(error) => warn!(topic = %self.topic, %error, "closing the consumer failed"),
+            Ok(()) => {
+                debug!(topic = %self.topic, subscription = self.info.subscription.as_deref(), "consumer closed")
+            }
+            Err(error) => {
+                warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), %error, "closing the consumer failed")
+            }
         }
     }
 

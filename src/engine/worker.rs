@@ -479,6 +479,7 @@ impl<T: Transport> Job<T> {
         let span = tracing::debug_span!(
             "message",
             topic = %message.topic(),
+            subscription = self.subscription.info.subscription.as_deref(),
             message_id = %message.id(),
             priority = engine.priority_of(&self.subscription),
             redelivery_count = message.redelivery_count(),

@@ -204,6 +204,15 @@ fn a_consumer_that_keeps_failing_stops_the_dispatcher_with_an_error() {
             matches!(&result, Err(Error::ConsumerFailing { topic, .. }) if topic.ends_with("/jobs")),
             "{result:?}"
         );
+        // The consumer's own error is the typed source, to look into.
+        let source = std::error::Error::source(result.as_ref().unwrap_err());
+        assert!(
+            source.is_some_and(|e| matches!(
+                e.downcast_ref::<crate::TransportError>(),
+                Some(crate::TransportError::Injected(_))
+            )),
+            "{source:?}"
+        );
         let errors = dispatcher.stats().total().receive_errors;
         // 10 ms doubling: about 5 attempts in 200 ms, not a busy loop.
         assert!((2..=12).contains(&errors), "{errors} attempts");
