@@ -104,6 +104,7 @@ mod error;
 mod family;
 mod handle;
 mod hash;
+mod log_limit;
 mod message;
 mod options;
 mod outcome;

@@ -19,11 +19,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::future::LocalBoxFuture;
 use pulsar::SubType;
 use tokio::sync::OnceCell;
-use tracing::{error, info, warn};
+use tokio::time::Instant;
+use tracing::{debug, error, info, warn};
 
 use crate::backoff::Backoff;
 use crate::classify::ErrorClass;
 use crate::error::{Error, RetryTopicProblem, TransportError};
+use crate::log_limit::LogLimit;
 use crate::message::Message;
 use crate::outcome::{panic_text, Outcome, SubscriptionInfo, Verdict};
 use crate::topic::full_topic_name;
@@ -242,6 +244,10 @@ pub(crate) struct Router<T: Transport> {
     producers: Producers<T>,
     targets: DeadLetterTargets,
     known_dead_letter_topics: RefCell<HashSet<String>>,
+    /// Failed publishes are counted each and logged at most once an
+    /// interval: an outage of a retry or dead letter topic fails every
+    /// message that fails its handler.
+    publish_failures_log: LogLimit,
 }
 
 impl<T: Transport> Router<T> {
@@ -250,6 +256,7 @@ impl<T: Transport> Router<T> {
             producers: Producers::default(),
             targets,
             known_dead_letter_topics: RefCell::default(),
+            publish_failures_log: LogLimit::default(),
         }
     }
 
@@ -424,7 +431,14 @@ impl<T: Transport> Router<T> {
         match published {
             Ok(()) => Verdict::Ack,
             Err(error) => {
-                error!(topic = %message.topic(), message_id = %message.id(), %destination, %error, "publishing the {what} failed; nacking");
+                match self.publish_failures_log.admit(Instant::now()) {
+                    Some(not_logged) => {
+                        error!(topic = %message.topic(), message_id = %message.id(), %destination, %error, not_logged, "publishing the {what} failed; nacking")
+                    }
+                    None => {
+                        debug!(topic = %message.topic(), message_id = %message.id(), %destination, %error, "publishing the {what} failed; nacking")
+                    }
+                }
                 Verdict::Nack
             }
         }

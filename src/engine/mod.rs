@@ -602,9 +602,10 @@ impl<T: Transport> Engine<T> {
             PublishKind::DeadLetter => &counters.dead_lettered,
         };
         let verdict = self.router.publish(&self.transport, publish, message).await;
-        if verdict == Verdict::Ack {
-            bump(published);
-        }
+        bump(match verdict {
+            Verdict::Ack => published,
+            Verdict::Nack => &counters.publishes_failed,
+        });
         verdict
     }
 }

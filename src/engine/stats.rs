@@ -94,15 +94,20 @@ counters! {
         dead_lettered => "pulsar_dispatcher_messages_dead_lettered_total",
         /// Replies published.
         replied => "pulsar_dispatcher_replies_published_total",
+        /// Replies, retries and dead letters whose publish failed: each
+        /// original is nacked instead (logged at most once every 10 s, with
+        /// the count held back).
+        publishes_failed => "pulsar_dispatcher_publishes_failed_total",
         /// Acknowledgements handed to the transport.
         acked => "pulsar_dispatcher_messages_acked_total",
         /// Negative acknowledgements handed to the transport (held ones once
         /// their delay has passed).
         nacked => "pulsar_dispatcher_messages_nacked_total",
-        /// Acknowledgements the transport refused; each is logged too.
+        /// Acknowledgements the transport refused (logged at most once every
+        /// 10 s, with the count held back).
         acks_failed => "pulsar_dispatcher_acks_failed_total",
-        /// Negative acknowledgements the transport refused; each is logged
-        /// too.
+        /// Negative acknowledgements the transport refused (logged like
+        /// refused acknowledgements).
         nacks_failed => "pulsar_dispatcher_nacks_failed_total",
         /// Errors the consumer returned instead of a message.
         receive_errors => "pulsar_dispatcher_receive_errors_total",

@@ -25,6 +25,7 @@ use super::wake::{SubscriptionWaker, WokenList};
 use super::{wait_until, Handler, MessageBox};
 use crate::error::{Error, TransportError};
 use crate::hash::hash_key;
+use crate::log_limit::LogLimit;
 use crate::message::{Message, MessageId};
 use crate::outcome::{SubscriptionInfo, Verdict};
 use crate::routing::RoutingPolicy;
@@ -99,6 +100,7 @@ pub(crate) struct Subscription<T: Transport> {
     held: RefCell<VecDeque<(Instant, MessageId)>>,
     receive_failure_limit: Duration,
     failures: RefCell<ReceiveFailures>,
+    settle_failures_log: LogLimit,
     /// While its consumer is being closed, and when that ends: a second
     /// close waits for the first.
     closing: Cell<bool>,
@@ -147,16 +149,13 @@ struct ReceiveFailures {
     since: Option<Instant>,
     last_error: Option<Instant>,
     retry_at: Option<Instant>,
-    last_logged: Option<Instant>,
-    unlogged: u64,
+    log: LogLimit,
 }
 
 /// The first retry after a receive error waits this long, doubling up to
 /// [`RECEIVE_RETRY_MAX`].
 const RECEIVE_RETRY_FIRST: Duration = Duration::from_millis(10);
 const RECEIVE_RETRY_MAX: Duration = Duration::from_secs(5);
-/// Receive errors in a row are logged at most this often.
-const RECEIVE_ERROR_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// The shortest quiet after a receive error that ends its spell (see
 /// `Subscription::still_failing`): twice the longest retry wait.
 const RECEIVE_QUIET_MIN: Duration = Duration::from_secs(10);
@@ -194,6 +193,7 @@ impl<T: Transport> Subscription<T> {
             receive_failure_limit: spec.receive_failure_limit,
             failing: Cell::new(false),
             failures: RefCell::default(),
+            settle_failures_log: LogLimit::default(),
             closing: Cell::new(false),
             consumer_closed: Notify::new(),
             metrics: RefCell::new(recording.metrics.then(|| {
@@ -307,7 +307,8 @@ impl<T: Transport> Subscription<T> {
     }
 
     /// Schedules the next attempt after a receive error, logging at most
-    /// every [`RECEIVE_ERROR_LOG_INTERVAL`]; gives up past the limit.
+    /// every [`LOG_INTERVAL`](crate::log_limit::LOG_INTERVAL); gives up
+    /// past the limit.
     fn receive_failed(&self, error: TransportError) -> Received {
         let now = Instant::now();
         let mut failures = self.failures.borrow_mut();
@@ -329,15 +330,8 @@ impl<T: Transport> Subscription<T> {
                 last_error: error,
             });
         }
-        let due_to_log = failures
-            .last_logged
-            .is_none_or(|logged| now - logged >= RECEIVE_ERROR_LOG_INTERVAL);
-        if due_to_log {
-            let not_logged = std::mem::take(&mut failures.unlogged);
+        if let Some(not_logged) = failures.log.admit(now) {
             warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), %error, in_a_row = failures.in_a_row, not_logged, "receiving failed; retrying");
-            failures.last_logged = Some(now);
-        } else {
-            failures.unlogged += 1;
         }
         let doublings = (failures.in_a_row - 1).min(16);
         let wait = (RECEIVE_RETRY_FIRST * 2u32.pow(doublings)).min(RECEIVE_RETRY_MAX);
@@ -429,7 +423,16 @@ impl<T: Transport> Subscription<T> {
             Ok(()) => bump(done),
             Err(error) => {
                 bump(failed);
-                warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), message_id = %id, ?verdict, %error, "settling a message failed");
+                // Counted each; logged at most once an interval, since a
+                // broken connection refuses every message in flight.
+                match self.settle_failures_log.admit(Instant::now()) {
+                    Some(not_logged) => {
+                        warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), message_id = %id, ?verdict, %error, not_logged, "settling a message failed")
+                    }
+                    None => {
+                        debug!(topic = %self.topic, message_id = %id, ?verdict, %error, "settling a message failed")
+                    }
+                }
             }
         }
     }

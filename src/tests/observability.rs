@@ -11,7 +11,7 @@ use metrics_util::MetricKind;
 
 use super::{dispatcher, gated, options, run_local, settle_down, spawn_run, Gate};
 use crate::transport::MemoryTransport;
-use crate::{Dispatcher, HealthPhase, Message, SubscribeOptions};
+use crate::{Dispatcher, ErrorClass, HealthPhase, Message, SubType, SubscribeOptions};
 
 async fn outcome_by_payload(message: &Message) -> Result<(), &'static str> {
     match message.payload() {
@@ -223,24 +223,46 @@ impl Write for Captured {
     }
 }
 
+/// What the library logs on this thread, at `filter`, while it lives.
+struct LogCapture {
+    captured: Captured,
+    _second: tracing::Dispatch,
+    _default: tracing::subscriber::DefaultGuard,
+}
+
+impl LogCapture {
+    fn start(filter: &str) -> Self {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        // With a single registered dispatcher, tracing-core computes a new
+        // callsite's interest from the registering thread's default alone,
+        // so a test on another thread that meets a callsite first would
+        // cache "never" for everyone. A second, silent dispatcher makes
+        // every registration ask all live dispatchers, this test's included.
+        let second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
+        let default = tracing::subscriber::set_default(subscriber);
+        // Callsites other threads registered before this point cached "never".
+        tracing::callsite::rebuild_interest_cache();
+        LogCapture {
+            captured,
+            _second: second,
+            _default: default,
+        }
+    }
+
+    fn output(&self) -> String {
+        String::from_utf8(self.captured.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
 #[test]
 fn handlers_and_settlement_run_inside_a_span_per_message() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("pulsar_dispatcher=debug")
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
-    // With a single registered dispatcher, tracing-core computes a new
-    // callsite's interest from the registering thread's default alone, so a
-    // test on another thread that meets the engine's span first would cache
-    // "never" for everyone. A second, silent dispatcher makes every
-    // registration ask all live dispatchers, this test's included.
-    let _second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
-    let _default = tracing::subscriber::set_default(subscriber);
-    // Callsites other threads registered before this point cached "never".
-    tracing::callsite::rebuild_interest_cache();
+    let logs = LogCapture::start("pulsar_dispatcher=debug");
     run_local(async {
         let (dispatcher, transport) = dispatcher(1);
         let id = transport.send("jobs", "fail");
@@ -271,7 +293,7 @@ fn handlers_and_settlement_run_inside_a_span_per_message() {
         settle_down().await;
         dispatcher.close().await;
         run.await.unwrap().unwrap();
-        let output = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let output = logs.output();
         let lines_in_span = |topic: &str, id: &crate::MessageId, priority: i64| -> Vec<&str> {
             let span = format!(
                 "message{{topic=persistent://public/default/{topic} message_id={id} priority={priority}"
@@ -293,6 +315,50 @@ fn handlers_and_settlement_run_inside_a_span_per_message() {
             "the engine's events use the span too: {output}"
         );
     });
+}
+
+/// A retry topic that refuses every publish fails each message that fails
+/// its handler: each is counted and nacked, and logged once an interval,
+/// not once a message; so are the acks a broken consumer refuses.
+#[test]
+fn failures_repeated_per_message_are_counted_each_and_logged_once_an_interval() {
+    let logs = LogCapture::start("pulsar_dispatcher=warn");
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(8);
+        transport.fail_publishes("jobs-retry", usize::MAX);
+        for _ in 0..50 {
+            transport.send("jobs", "retry");
+            transport.send("acks", "ok");
+        }
+        let retrying = SubscribeOptions::new()
+            .subscription_type(SubType::Shared)
+            .negative_ack_redelivery_delay(Duration::from_secs(600))
+            .retry_errors(ErrorClass::matching(|_| true))
+            .retry_topic("jobs-retry");
+        let failing = async |_: &Message| Err::<(), _>("downstream unavailable");
+        let jobs = dispatcher
+            .subscribe("jobs", failing, retrying)
+            .await
+            .unwrap();
+        transport.fail_settlements("acks");
+        let acks = dispatcher
+            .subscribe("acks", outcome_by_payload, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        while jobs.stats().unwrap().publishes_failed < 50 || acks.stats().unwrap().acks_failed < 50
+        {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(jobs.stats().unwrap().retried, 0);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+    let output = logs.output();
+    let count = |text: &str| output.lines().filter(|l| l.contains(text)).count();
+    assert_eq!(count("publishing the retry failed"), 1, "{output}");
+    assert_eq!(count("settling a message failed"), 1, "{output}");
 }
 
 /// A priority change starts new series that count from zero; back at an

@@ -274,13 +274,18 @@ fn a_failed_republish_nacks_the_original() {
         let (dispatcher, transport) = dispatcher(4);
         transport.fail_publishes(DLQ, 1);
         let id = send(&transport, "orders", "invalid");
-        dispatcher
+        let orders = dispatcher
             .subscribe("orders", failing, routed_options())
             .await
             .unwrap();
         // Nacked, redelivered, and dead-lettered on the second attempt once
         // the publish goes through.
-        run_until(dispatcher, async |t| t.wait_acked("orders", 1).await).await;
+        run_until(dispatcher, async |t| {
+            t.wait_acked("orders", 1).await;
+            let stats = orders.stats().unwrap();
+            assert_eq!((stats.publishes_failed, stats.dead_lettered), (1, 1));
+        })
+        .await;
         assert_eq!(transport.nacked("orders"), std::slice::from_ref(&id));
         assert_eq!(transport.acked("orders"), [id]);
         assert_eq!(transport.published(DLQ).len(), 1);
