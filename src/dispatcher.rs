@@ -328,7 +328,8 @@ impl<T: Transport> Dispatcher<T> {
     /// Removes a subscription, while the others go on: it stops receiving,
     /// a message it already holds is still dispatched, its running handlers
     /// finish and their messages are settled, held nacks are sent at once,
-    /// and its consumer is closed; then its place is free for reuse. Returns
+    /// and its consumer is closed, with the producers no other subscription
+    /// publishes with; then its place is free for reuse. Returns
     /// once all that is done. Fails with [`Error::UnknownSubscription`] if
     /// the handle is not this dispatcher's or the subscription is gone
     /// (unsubscribed already); after `close` it returns `Ok` at once, the

@@ -199,6 +199,23 @@ impl RoutingPolicy {
     /// or the last of its retries does. Without either, its dead letter
     /// topic is only a name its retries carry, and no producer is made for
     /// it (the topic may not exist, or the client may not publish to it).
+    /// The topics a subscription with this policy publishes to by itself,
+    /// whose producers it makes at subscribe: its retry topic, its dead
+    /// letter topic if it dead-letters (see `dead_letters_own`), its reply
+    /// topic.
+    pub(crate) fn producer_topics(&self) -> Vec<String> {
+        let retry = self.retry.as_ref().map(|retry| &retry.topic);
+        let dead_letters = self
+            .dead_letters_own()
+            .then_some(self.dead_letter_topic.as_ref())
+            .flatten();
+        [retry, dead_letters, self.reply_topic.as_ref()]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect()
+    }
+
     fn dead_letters_own(&self) -> bool {
         self.fatal.is_some()
             || self
@@ -272,38 +289,33 @@ impl<T: Transport> Router<T> {
         self.producers.close_all().await
     }
 
-    /// Closes and forgets the producers of `topics`, made for a subscribe
-    /// that failed: a failed subscribe leaves nothing behind. Boxed: a
+    /// Gives up one use of each producer of `topics` (those a
+    /// [`prepare`](Self::prepare) took), closing and forgetting a producer
+    /// no subscription uses any more: a failed subscribe leaves nothing
+    /// behind, and an unsubscribed subscription's producers go with it
+    /// unless another subscription publishes there too. Boxed: a
     /// transport's close can be a large future (the `pulsar` crate's is,
     /// in debug builds), and a subscribe's own future would grow by it.
-    pub(crate) fn discard<'a>(&'a self, topics: &'a [String]) -> LocalBoxFuture<'a, ()> {
-        Box::pin(self.producers.close(topics))
+    pub(crate) fn release<'a>(&'a self, topics: &'a [String]) -> LocalBoxFuture<'a, ()> {
+        Box::pin(self.producers.release(topics))
     }
 
     /// Creates (or finds) the producers `policy` publishes with, so that a
-    /// topic the broker refuses fails at subscribe. On failure, the topic
-    /// and the transport's error. `made` gets the topics whose producers
-    /// this call created, for [`discard`](Self::discard) should the
-    /// subscribe fail after all.
+    /// topic the broker refuses fails at subscribe, and takes one use of
+    /// each. On failure, the topic and the transport's error. `used` gets
+    /// the topics whose producers this call took, for
+    /// [`release`](Self::release) when the subscription goes (or its
+    /// subscribe fails after all).
     pub(crate) async fn prepare(
         &self,
         transport: &T,
         policy: &RoutingPolicy,
-        made: &mut Vec<String>,
+        used: &mut Vec<String>,
     ) -> Result<(), (String, TransportError)> {
-        let retry = policy.retry.as_ref().map(|retry| &retry.topic);
-        let dead_letters = policy
-            .dead_letters_own()
-            .then_some(policy.dead_letter_topic.as_ref())
-            .flatten();
-        for topic in [retry, dead_letters, policy.reply_topic.as_ref()]
-            .into_iter()
-            .flatten()
-        {
-            match self.producers.producer(transport, topic).await {
-                Ok((_, true)) => made.push(topic.clone()),
-                Ok((_, false)) => {}
-                Err(error) => return Err((topic.clone(), error)),
+        for topic in policy.producer_topics() {
+            match self.producers.acquire(transport, &topic).await {
+                Ok(()) => used.push(topic),
+                Err(error) => return Err((topic, error)),
             }
         }
         Ok(())
@@ -551,7 +563,16 @@ fn set_property_if_absent(message: &mut OutgoingMessage, key: &str, value: &str)
 /// for the same creation; a failed creation leaves the cell empty, so the
 /// next caller tries again.
 struct Producers<T: Transport> {
-    by_topic: RefCell<HashMap<String, Rc<OnceCell<T::Producer>>>>,
+    by_topic: RefCell<HashMap<String, SharedProducer<T::Producer>>>,
+}
+
+/// One topic's producer, created on first use, and how many subscriptions
+/// publish with it by themselves. A producer only a message's
+/// `DEAD_LETTER_TOPIC` asked for has none, and stays until the dispatcher
+/// closes.
+struct SharedProducer<P> {
+    cell: Rc<OnceCell<P>>,
+    users: usize,
 }
 
 impl<T: Transport> Default for Producers<T> {
@@ -569,52 +590,97 @@ impl<T: Transport> Producers<T> {
         topic: &str,
         message: OutgoingMessage,
     ) -> Result<(), TransportError> {
-        let (cell, _) = self.producer(transport, topic).await?;
+        let cell = self.producer(transport, topic).await?;
         cell.get().expect("created").send(message).await
     }
 
-    /// The topic's producer, created on first use; and whether this call
-    /// created it.
+    /// The topic's producer, created on first use.
     async fn producer(
         &self,
         transport: &T,
         topic: &str,
-    ) -> Result<(Rc<OnceCell<T::Producer>>, bool), TransportError> {
+    ) -> Result<Rc<OnceCell<T::Producer>>, TransportError> {
         let cell = self.cell(topic);
-        let mut made = false;
-        cell.get_or_try_init(|| {
-            made = true;
-            transport.create_producer(topic)
-        })
-        .await?;
-        Ok((cell, made))
+        let created = cell
+            .get_or_try_init(|| transport.create_producer(topic))
+            .await;
+        if let Err(error) = created {
+            self.forget_if_empty(topic);
+            return Err(error);
+        }
+        Ok(cell)
+    }
+
+    /// Forgets a topic whose producer could not be made and that no
+    /// subscription uses, so that refused names leave nothing behind.
+    fn forget_if_empty(&self, topic: &str) {
+        let mut by_topic = self.by_topic.borrow_mut();
+        if by_topic
+            .get(topic)
+            .is_some_and(|shared| shared.users == 0 && !shared.cell.initialized())
+        {
+            by_topic.remove(topic);
+        }
+    }
+
+    /// Creates (or finds) the topic's producer and counts one more user.
+    async fn acquire(&self, transport: &T, topic: &str) -> Result<(), TransportError> {
+        self.producer(transport, topic).await?;
+        if let Some(shared) = self.by_topic.borrow_mut().get_mut(topic) {
+            shared.users += 1;
+        }
+        Ok(())
     }
 
     fn cell(&self, topic: &str) -> Rc<OnceCell<T::Producer>> {
-        if let Some(cell) = self.by_topic.borrow().get(topic) {
-            return cell.clone();
+        if let Some(shared) = self.by_topic.borrow().get(topic) {
+            return shared.cell.clone();
         }
         self.by_topic
             .borrow_mut()
             .entry(topic.to_owned())
-            .or_default()
+            .or_insert_with(|| SharedProducer {
+                cell: Rc::default(),
+                users: 0,
+            })
+            .cell
             .clone()
     }
 
-    async fn close_all(&self) {
-        let topics: Vec<String> = self.by_topic.borrow().keys().cloned().collect();
-        self.close(&topics).await
+    /// Counts one user less of each of `topics`, and closes and forgets
+    /// the producers left without one.
+    async fn release(&self, topics: &[String]) {
+        for topic in topics {
+            let unused = {
+                let mut by_topic = self.by_topic.borrow_mut();
+                match by_topic.get_mut(topic) {
+                    Some(shared) if shared.users > 1 => {
+                        shared.users -= 1;
+                        None
+                    }
+                    Some(_) => by_topic.remove(topic),
+                    None => None,
+                }
+            };
+            if let Some(shared) = unused {
+                close_producer(topic, &shared.cell).await;
+            }
+        }
     }
 
-    /// Closes the producers of `topics` and forgets them.
-    async fn close(&self, topics: &[String]) {
-        for topic in topics {
-            let cell = self.by_topic.borrow_mut().remove(topic);
-            if let Some(producer) = cell.as_ref().and_then(|cell| cell.get()) {
-                if let Err(error) = producer.close().await {
-                    warn!(%topic, %error, "closing a producer failed");
-                }
-            }
+    async fn close_all(&self) {
+        let all: Vec<(String, SharedProducer<T::Producer>)> =
+            self.by_topic.borrow_mut().drain().collect();
+        for (topic, shared) in all {
+            close_producer(&topic, &shared.cell).await;
+        }
+    }
+}
+
+async fn close_producer<P: Producer>(topic: &str, cell: &OnceCell<P>) {
+    if let Some(producer) = cell.get() {
+        if let Err(error) = producer.close().await {
+            warn!(%topic, %error, "closing a producer failed");
         }
     }
 }

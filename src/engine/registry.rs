@@ -37,22 +37,22 @@ impl<T: Transport> Engine<T> {
         let first_topic = first.consumer.topic.clone();
         self.accepting_subscriptions(&first_topic)?;
         let mut consumers = Vec::with_capacity(specs.len());
-        // The producers this call made: no subscription uses them if it
-        // fails, so they go with its consumers.
-        let mut made = Vec::new();
+        // The producers this call took: given up again if it fails, so
+        // that those it made go with its consumers.
+        let mut used = Vec::new();
         for spec in &specs {
-            match self.create(spec, &mut made).await {
+            match self.create(spec, &mut used).await {
                 Ok(consumer) => consumers.push(consumer),
                 Err(error) => {
                     close_consumers::<T>(consumers, "of a failed subscribe").await;
-                    self.router.discard(&made).await;
+                    self.router.release(&used).await;
                     return Err(error);
                 }
             }
         }
         if let Err(refused) = self.accepting_subscriptions(&first_topic) {
             close_consumers::<T>(consumers, "of a refused subscribe").await;
-            self.router.discard(&made).await;
+            self.router.release(&used).await;
             return Err(refused);
         }
         let pool = self
@@ -79,7 +79,7 @@ impl<T: Transport> Engine<T> {
     async fn create(
         &self,
         spec: &SubscriptionSpec,
-        made: &mut Vec<String>,
+        used: &mut Vec<String>,
     ) -> Result<T::Consumer, Error> {
         let topic = &spec.consumer.topic;
         let timed_out = || Error::SubscribeTimeout {
@@ -102,7 +102,7 @@ impl<T: Transport> Engine<T> {
             }
             Err(_) => return Err(timed_out()),
         };
-        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing, made));
+        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing, used));
         let prepared = tokio::time::timeout_at(deadline, preparing).await;
         let failure = match prepared {
             Ok(Ok(())) => return Ok(consumer),
@@ -268,6 +268,11 @@ impl<T: Transport> Engine<T> {
         .await;
         subscription.send_held_nacks();
         subscription.close().await;
+        if self.phase() != Phase::Closed {
+            // Shutdown closes every producer itself.
+            let topics = subscription.routing.producer_topics();
+            self.router.release(&topics).await;
+        }
         if self.metrics_interval.is_some() {
             // Its last numbers: what it counted since the last tick would
             // otherwise never reach the recorder.

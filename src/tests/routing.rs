@@ -175,6 +175,58 @@ fn a_dead_letter_policy_without_a_topic_uses_pulsars_default() {
     });
 }
 
+/// A subscription's retry, dead letter and reply producers go when it is
+/// unsubscribed, unless another subscription publishes there too: a
+/// service that subscribes and unsubscribes for its whole life keeps no
+/// producers of subscriptions long gone.
+#[test]
+fn unsubscribing_closes_the_producers_no_other_subscription_uses() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let open = || transport.producers_created().len() - transport.producers_closed().len();
+        let stays = dispatcher
+            .subscribe("stays", failing, routed_options())
+            .await
+            .unwrap();
+        assert_eq!(open(), 2, "its retry and dead letter producers");
+        for cycle in 0..20 {
+            let topic = format!("family-{cycle}");
+            let options = routed_options()
+                .retry_topic(format!("{topic}-retry"))
+                .reply_topic(format!("{topic}-replies"));
+            let handle = dispatcher
+                .subscribe(&topic, failing, options)
+                .await
+                .unwrap();
+            assert_eq!(open(), 5);
+            dispatcher.unsubscribe(handle).await.unwrap();
+            assert_eq!(open(), 2, "cycle {cycle}");
+        }
+        // Sharing the retry topic of `stays`: its producer stays open for
+        // `stays` when the other one goes.
+        let sharing = dispatcher
+            .subscribe("sharing", failing, routed_options())
+            .await
+            .unwrap();
+        assert_eq!(
+            open(),
+            3,
+            "one more dead letter producer, the retry one shared"
+        );
+        dispatcher.unsubscribe(sharing).await.unwrap();
+        assert_eq!(open(), 2);
+        send(&transport, "stays", "unavailable");
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("stays", 1).await;
+        assert_eq!(transport.published("orders-retry").len(), 1);
+        drop(stays);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        assert_eq!(open(), 0);
+    });
+}
+
 #[test]
 fn fatal_beats_retry_and_panics_are_only_ever_nacked() {
     run_local(async {
