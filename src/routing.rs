@@ -10,7 +10,7 @@
 //! acked only once the republish has succeeded. Producers are created per
 //! topic on first use and shared.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
@@ -564,21 +564,31 @@ fn set_property_if_absent(message: &mut OutgoingMessage, key: &str, value: &str)
 /// next caller tries again.
 struct Producers<T: Transport> {
     by_topic: RefCell<HashMap<String, SharedProducer<T::Producer>>>,
+    /// Counts sends and creations, to tell which producer was used last.
+    uses: Cell<u64>,
 }
 
 /// One topic's producer, created on first use, and how many subscriptions
-/// publish with it by themselves. A producer only a message's
-/// `DEAD_LETTER_TOPIC` asked for has none, and stays until the dispatcher
-/// closes.
+/// publish with it by themselves. A producer only messages'
+/// `DEAD_LETTER_TOPIC` properties asked for has none: at most
+/// [`UNUSED_PRODUCERS`] of those are kept, the least recently used closed
+/// first, since the names come from whoever publishes to a retry topic.
 struct SharedProducer<P> {
     cell: Rc<OnceCell<P>>,
     users: usize,
+    /// When it was last made or sent with, in [`Producers::tick`]s: one
+    /// just made, its first send still to come, is not the oldest.
+    last_used: Cell<u64>,
 }
+
+/// How many producers no subscription uses by itself are kept open.
+const UNUSED_PRODUCERS: usize = 16;
 
 impl<T: Transport> Default for Producers<T> {
     fn default() -> Self {
         Producers {
             by_topic: RefCell::default(),
+            uses: Cell::new(0),
         }
     }
 }
@@ -591,7 +601,39 @@ impl<T: Transport> Producers<T> {
         message: OutgoingMessage,
     ) -> Result<(), TransportError> {
         let cell = self.producer(transport, topic).await?;
+        if let Some((unused, evicted)) = self.note_send(topic) {
+            close_producer(&unused, &evicted.cell).await;
+        }
         cell.get().expect("created").send(message).await
+    }
+
+    fn tick(&self) -> u64 {
+        let now = self.uses.get() + 1;
+        self.uses.set(now);
+        now
+    }
+
+    /// Marks `topic`'s producer as used now; if that leaves more than
+    /// [`UNUSED_PRODUCERS`] that no subscription uses, takes the least
+    /// recently used of them out, to be closed.
+    fn note_send(&self, topic: &str) -> Option<(String, SharedProducer<T::Producer>)> {
+        let now = self.tick();
+        let mut by_topic = self.by_topic.borrow_mut();
+        let shared = by_topic.get(topic)?;
+        shared.last_used.set(now);
+        if shared.users > 0 {
+            return None;
+        }
+        let unused = by_topic.values().filter(|shared| shared.users == 0);
+        if unused.count() <= UNUSED_PRODUCERS {
+            return None;
+        }
+        let oldest = by_topic
+            .iter()
+            .filter(|(_, shared)| shared.users == 0)
+            .min_by_key(|(_, shared)| shared.last_used.get())
+            .map(|(name, _)| name.clone())?;
+        by_topic.remove_entry(&oldest)
     }
 
     /// The topic's producer, created on first use.
@@ -642,6 +684,7 @@ impl<T: Transport> Producers<T> {
             .or_insert_with(|| SharedProducer {
                 cell: Rc::default(),
                 users: 0,
+                last_used: Cell::new(self.tick()),
             })
             .cell
             .clone()

@@ -320,6 +320,45 @@ fn an_untrusted_dead_letter_topic_property_is_ignored() {
     });
 }
 
+/// With `DeadLetterTargets::any()`, whoever publishes to a topic names the
+/// dead letter topics: each name gets its dead letter, and at most
+/// `UNUSED_PRODUCERS` (16) producers for such names stay open, however many
+/// names come.
+#[test]
+fn producers_for_dead_letter_topics_named_by_messages_are_bounded() {
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(2)
+            .dead_letter_targets(crate::DeadLetterTargets::any())
+            .build(transport.clone())
+            .unwrap();
+        for name in 0..50 {
+            transport.send_message(
+                "orders",
+                OutgoingMessage {
+                    payload: b"invalid".to_vec(),
+                    properties: vec![(DEAD_LETTER_TOPIC.into(), format!("graveyard-{name}"))],
+                    ..Default::default()
+                },
+            );
+        }
+        dispatcher
+            .subscribe("orders", failing, routed_options())
+            .await
+            .unwrap();
+        let transport = run_until(dispatcher, async |t| {
+            t.wait_acked("orders", 50).await;
+            let open = t.producers_created().len() - t.producers_closed().len();
+            assert!(open <= 2 + 16, "{open} producers open");
+        })
+        .await;
+        for name in 0..50 {
+            assert_eq!(transport.published(&format!("graveyard-{name}")).len(), 1);
+        }
+    });
+}
+
 #[test]
 fn a_failed_republish_nacks_the_original() {
     run_local(async {
