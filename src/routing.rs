@@ -195,10 +195,6 @@ enum Route {
 }
 
 impl RoutingPolicy {
-    /// Whether the subscription itself can dead-letter: only a fatal error
-    /// or the last of its retries does. Without either, its dead letter
-    /// topic is only a name its retries carry, and no producer is made for
-    /// it (the topic may not exist, or the client may not publish to it).
     /// The topics a subscription with this policy publishes to by itself,
     /// whose producers it makes at subscribe: its retry topic, its dead
     /// letter topic if it dead-letters (see `dead_letters_own`), its reply
@@ -216,6 +212,10 @@ impl RoutingPolicy {
             .collect()
     }
 
+    /// Whether the subscription itself can dead-letter: only a fatal error
+    /// or the last of its retries does. Without either, its dead letter
+    /// topic is only a name its retries carry, and no producer is made for
+    /// it (the topic may not exist, or the client may not publish to it).
     fn dead_letters_own(&self) -> bool {
         self.fatal.is_some()
             || self
@@ -584,6 +584,17 @@ struct SharedProducer<P> {
 /// How many producers no subscription uses by itself are kept open.
 const UNUSED_PRODUCERS: usize = 16;
 
+impl<P> SharedProducer<P> {
+    /// Whether only the map holds it: no task creates it or sends with it
+    /// now. Only such an entry is ever taken out of the map (before the
+    /// dispatcher closes), so a task that holds a producer's cell always
+    /// finds it in the map again: no producer is made into a cell the map
+    /// has let go, out of reach of `release` and `close_all`.
+    fn is_idle(&self) -> bool {
+        Rc::strong_count(&self.cell) == 1
+    }
+}
+
 impl<T: Transport> Default for Producers<T> {
     fn default() -> Self {
         Producers {
@@ -630,7 +641,7 @@ impl<T: Transport> Producers<T> {
         }
         let oldest = by_topic
             .iter()
-            .filter(|(_, shared)| shared.users == 0)
+            .filter(|(_, shared)| shared.users == 0 && shared.is_idle())
             .min_by_key(|(_, shared)| shared.last_used.get())
             .map(|(name, _)| name.clone())?;
         by_topic.remove_entry(&oldest)
@@ -647,30 +658,34 @@ impl<T: Transport> Producers<T> {
             .get_or_try_init(|| transport.create_producer(topic))
             .await;
         if let Err(error) = created {
+            drop(cell);
             self.forget_if_empty(topic);
             return Err(error);
         }
         Ok(cell)
     }
 
-    /// Forgets a topic whose producer could not be made and that no
-    /// subscription uses, so that refused names leave nothing behind.
+    /// Forgets a topic whose producer could not be made, that no
+    /// subscription uses and no other task is making, so that refused
+    /// names leave nothing behind.
     fn forget_if_empty(&self, topic: &str) {
         let mut by_topic = self.by_topic.borrow_mut();
-        if by_topic
-            .get(topic)
-            .is_some_and(|shared| shared.users == 0 && !shared.cell.initialized())
-        {
+        if by_topic.get(topic).is_some_and(|shared| {
+            shared.users == 0 && !shared.cell.initialized() && shared.is_idle()
+        }) {
             by_topic.remove(topic);
         }
     }
 
     /// Creates (or finds) the topic's producer and counts one more user.
     async fn acquire(&self, transport: &T, topic: &str) -> Result<(), TransportError> {
-        self.producer(transport, topic).await?;
-        if let Some(shared) = self.by_topic.borrow_mut().get_mut(topic) {
-            shared.users += 1;
-        }
+        let _held = self.producer(transport, topic).await?;
+        // Held, so still in the map (see `SharedProducer::is_idle`).
+        let mut by_topic = self.by_topic.borrow_mut();
+        let shared = by_topic
+            .get_mut(topic)
+            .expect("a held producer stays in the map");
+        shared.users += 1;
         Ok(())
     }
 
@@ -697,8 +712,11 @@ impl<T: Transport> Producers<T> {
             let unused = {
                 let mut by_topic = self.by_topic.borrow_mut();
                 match by_topic.get_mut(topic) {
-                    Some(shared) if shared.users > 1 => {
-                        shared.users -= 1;
+                    Some(shared) if shared.users > 1 || !shared.is_idle() => {
+                        // Still used, or a send is under way with it (a
+                        // dead letter another subscription's message
+                        // named): kept, and left to the cap on unused ones.
+                        shared.users = shared.users.saturating_sub(1);
                         None
                     }
                     Some(_) => by_topic.remove(topic),

@@ -323,13 +323,20 @@ fn an_untrusted_dead_letter_topic_property_is_ignored() {
 /// With `DeadLetterTargets::any()`, whoever publishes to a topic names the
 /// dead letter topics: each name gets its dead letter, and at most
 /// `UNUSED_PRODUCERS` (16) producers for such names stay open, however many
-/// names come.
+/// names come, one at a time or many at once (a producer still being made
+/// or sent with is not the one closed); and every one is closed at the end.
 #[test]
 fn producers_for_dead_letter_topics_named_by_messages_are_bounded() {
+    for concurrency in [2, 64] {
+        producers_named_by_messages(concurrency);
+    }
+}
+
+fn producers_named_by_messages(concurrency: usize) {
     run_local(async {
         let transport = MemoryTransport::new();
         let dispatcher = Dispatcher::builder()
-            .concurrency(2)
+            .concurrency(concurrency)
             .dead_letter_targets(crate::DeadLetterTargets::any())
             .build(transport.clone())
             .unwrap();
@@ -343,19 +350,41 @@ fn producers_for_dead_letter_topics_named_by_messages_are_bounded() {
                 },
             );
         }
+        let options = routed_options().max_in_flight(concurrency);
         dispatcher
-            .subscribe("orders", failing, routed_options())
+            .subscribe("orders", failing, options)
             .await
             .unwrap();
+        let open = |t: &MemoryTransport| t.producers_created().len() - t.producers_closed().len();
         let transport = run_until(dispatcher, async |t| {
             t.wait_acked("orders", 50).await;
-            let open = t.producers_created().len() - t.producers_closed().len();
-            assert!(open <= 2 + 16, "{open} producers open");
+            assert!(open(t) <= 2 + 16, "{} producers open", open(t));
         })
         .await;
+        assert_eq!(open(&transport), 0, "after close");
         for name in 0..50 {
             assert_eq!(transport.published(&format!("graveyard-{name}")).len(), 1);
         }
+    });
+}
+
+/// Two subscribes that share a retry topic make its producer at the same
+/// time, and the first try fails: the one whose try failed is refused, the
+/// other makes the producer and counts as its user, so that its
+/// unsubscribe closes it.
+#[test]
+fn a_shared_producer_whose_first_creation_failed_is_still_counted() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        transport.fail_producer_creation(RETRY, 1);
+        let first = dispatcher.subscribe("a", failing, routed_options().subscription("a"));
+        let second = dispatcher.subscribe("b", failing, routed_options().subscription("b"));
+        let (first, second) = futures::join!(first, second);
+        assert!(first.is_err() != second.is_err(), "{first:?} {second:?}");
+        let subscribed = first.or(second).unwrap();
+        dispatcher.unsubscribe(subscribed).await.unwrap();
+        let open = transport.producers_created().len() - transport.producers_closed().len();
+        assert_eq!(open, 0, "{:?}", transport.producers_created());
     });
 }
 
