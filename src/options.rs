@@ -334,8 +334,7 @@ impl SubscribeOptions {
     /// refusal leaves no trace.
     pub(crate) fn resolve(&self, topic: &str) -> Result<SubscriptionSpec, Error> {
         let topic = full_topic_name(topic)?;
-        let routing = self.routing_policy(&topic)?;
-        let dead_letter_policy = self.resolved_dead_letter_policy(&topic)?;
+        let (routing, dead_letter_policy) = self.routing_policy(&topic)?;
         let nack_delay = checked_duration(
             "negative_ack_redelivery_delay",
             self.negative_ack_redelivery_delay,
@@ -418,8 +417,12 @@ impl SubscribeOptions {
     }
 
     /// Checks the options together and resolves their topics for `topic`
-    /// (a full name).
-    fn routing_policy(&self, topic: &str) -> Result<RoutingPolicy, Error> {
+    /// (a full name); also the dead letter policy as the consumer gets it
+    /// (see [`resolved_dead_letter_policy`](Self::resolved_dead_letter_policy)).
+    fn routing_policy(
+        &self,
+        topic: &str,
+    ) -> Result<(RoutingPolicy, Option<DeadLetterPolicy>), Error> {
         let invalid = |option: &'static str, reason: &str| Error::InvalidOption {
             option,
             reason: reason.to_owned(),
@@ -455,7 +458,11 @@ impl SubscribeOptions {
                 "max_redeliver_count must be at least 1",
             ));
         }
-        let dead_letter_topic = self.dead_letter_topic(topic)?;
+        let dead_letter_policy = self.resolved_dead_letter_policy(topic)?;
+        let dead_letter_topic = match &dead_letter_policy {
+            Some(policy) => Some(policy.dead_letter_topic.clone()),
+            None => self.default_dead_letter_topic(topic),
+        };
         if dead_letter_topic.is_none() {
             let needs =
                 "needs a dead letter topic: set a subscription name or a dead_letter_policy";
@@ -478,7 +485,7 @@ impl SubscribeOptions {
             }),
             _ => None,
         };
-        Ok(RoutingPolicy {
+        let routing = RoutingPolicy {
             fatal: self.fatal_errors.clone(),
             retry,
             dead_letter_topic,
@@ -487,16 +494,8 @@ impl SubscribeOptions {
                 .as_deref()
                 .map(full_topic_name)
                 .transpose()?,
-        })
-    }
-
-    /// The dead letter policy's topic, or Pulsar's default
-    /// `<topic>-<subscription>-DLQ`; `None` without either.
-    fn dead_letter_topic(&self, topic: &str) -> Result<Option<String>, Error> {
-        match self.resolved_dead_letter_policy(topic)? {
-            Some(policy) => Ok(Some(policy.dead_letter_topic)),
-            None => Ok(self.default_dead_letter_topic(topic)),
-        }
+        };
+        Ok((routing, dead_letter_policy))
     }
 
     /// The dead letter policy as the consumer gets it, its topic a full
