@@ -742,8 +742,9 @@ fn every_message_of_a_non_persistent_topic_is_handled() {
                 })
                 .await;
                 tokio::time::sleep(Duration::from_millis(300)).await;
-                publish_batched(&topic, 25, None).await;
-                publish_batched(&topic, 25, Some(5)).await;
+                let messages = || common::keyed_messages(50, 7);
+                common::publish(&topic, messages().take(25)).await;
+                common::publish_batched(&topic, 5, messages().skip(25)).await;
                 let begun = std::time::Instant::now();
                 while seen.borrow().len() < 50 && begun.elapsed() < Duration::from_secs(10) {
                     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -768,36 +769,4 @@ fn every_message_of_a_non_persistent_topic_is_handled() {
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     });
-}
-
-/// Publishes `count` numbered messages (`<offset + n>`) to `topic`, in
-/// batches of `batch` when given.
-async fn publish_batched(topic: &str, count: usize, batch: Option<u32>) {
-    let offset = if batch.is_some() { 1000 } else { 0 };
-    let client = common::client().await;
-    let mut producer = client
-        .producer()
-        .with_topic(topic)
-        .with_options(pulsar::ProducerOptions {
-            batch_size: batch,
-            // Partial batches (a partition's last few) go out too.
-            batch_timeout: batch.map(|_| Duration::from_millis(20)),
-            block_queue_if_full: true,
-            ..Default::default()
-        })
-        .build()
-        .await
-        .expect("producer");
-    let mut receipts = Vec::new();
-    for n in 0..count {
-        let message = pulsar::producer::Message {
-            payload: (offset + n).to_string().into_bytes(),
-            partition_key: Some(format!("key-{}", n % 7)),
-            ..Default::default()
-        };
-        receipts.push(producer.send_non_blocking(message).await.expect("send"));
-    }
-    for receipt in receipts {
-        receipt.await.expect("receipt");
-    }
 }

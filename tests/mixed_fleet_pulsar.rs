@@ -175,22 +175,25 @@ async fn python_dispatcher(
     max_retries: u32,
     stop_after: usize,
 ) -> Vec<Value> {
-    let result = run_interop(
-        "python_dispatcher.py",
-        json!({
-            "service_url": pulsar_url(),
-            "subscriptions": [{
-                "topic": topic,
-                "subscription": subscription,
-                "retry_topic": retry_topic,
-                "max_retries": max_retries,
-                "backoff_seconds": 1,
-            }],
-            "stop_after": stop_after,
-            "timeout_ms": 90_000,
-        }),
-    )
-    .await;
+    run_python_dispatcher(json!({
+        "service_url": pulsar_url(),
+        "subscriptions": [{
+            "topic": topic,
+            "subscription": subscription,
+            "retry_topic": retry_topic,
+            "max_retries": max_retries,
+            "backoff_seconds": 1,
+        }],
+        "stop_after": stop_after,
+        "timeout_ms": 90_000,
+    }))
+    .await
+}
+
+/// Runs `tests/interop/python_dispatcher.py` with `request` (its fields are
+/// in the script's docstring); returns what its handler was given.
+async fn run_python_dispatcher(request: Value) -> Vec<Value> {
+    let result = run_interop("python_dispatcher.py", request).await;
     assert_eq!(
         result["version"], "0.1.0",
         "the test virtualenv must have the Python original pulsar-dispatcher 0.1.0"
@@ -655,28 +658,23 @@ fn a_dead_letter_policy_gives_as_many_tries_as_the_python_original() {
         let python_dlq = full(&format!("{python_topic}-DLQ"));
         let mut python_dead_letters = reader(&python_dlq).await;
         publish_order(&python_topic).await;
-        let result = run_interop(
-            "python_dispatcher.py",
-            json!({
-                "service_url": pulsar_url(),
-                "subscriptions": [{
-                    "topic": python_topic,
-                    "subscription": "orders-sub",
-                    "nack_delay_ms": 200,
-                    "dead_letter_policy": {
-                        "max_redeliver_count": MAX_REDELIVER,
-                        "dead_letter_topic": python_dlq,
-                    },
-                }],
-                "stop_after": tries.len(),
-                "linger_ms": 3_000,
-                "timeout_ms": 60_000,
-            }),
-        )
+        let handled = run_python_dispatcher(json!({
+            "service_url": pulsar_url(),
+            "subscriptions": [{
+                "topic": python_topic,
+                "subscription": "orders-sub",
+                "nack_delay_ms": 200,
+                "dead_letter_policy": {
+                    "max_redeliver_count": MAX_REDELIVER,
+                    "dead_letter_topic": python_dlq,
+                },
+            }],
+            "stop_after": tries.len(),
+            "linger_ms": 3_000,
+            "timeout_ms": 60_000,
+        }))
         .await;
-        let python_tries: Vec<u64> = result["handled"]
-            .as_array()
-            .expect("handled")
+        let python_tries: Vec<u64> = handled
             .iter()
             .map(|handled| handled["redelivery_count"].as_u64().expect("a count"))
             .collect();

@@ -183,12 +183,15 @@ fn a_dead_letter_policy_without_a_topic_uses_pulsars_default() {
 fn unsubscribing_closes_the_producers_no_other_subscription_uses() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(2);
-        let open = || transport.producers_created().len() - transport.producers_closed().len();
         let stays = dispatcher
             .subscribe("stays", failing, routed_options())
             .await
             .unwrap();
-        assert_eq!(open(), 2, "its retry and dead letter producers");
+        assert_eq!(
+            transport.open_producers(),
+            2,
+            "its retry and dead letter producers"
+        );
         for cycle in 0..20 {
             let topic = format!("family-{cycle}");
             let options = routed_options()
@@ -198,9 +201,9 @@ fn unsubscribing_closes_the_producers_no_other_subscription_uses() {
                 .subscribe(&topic, failing, options)
                 .await
                 .unwrap();
-            assert_eq!(open(), 5);
+            assert_eq!(transport.open_producers(), 5);
             dispatcher.unsubscribe(handle).await.unwrap();
-            assert_eq!(open(), 2, "cycle {cycle}");
+            assert_eq!(transport.open_producers(), 2, "cycle {cycle}");
         }
         // Sharing the retry topic of `stays`: its producer stays open for
         // `stays` when the other one goes.
@@ -209,12 +212,12 @@ fn unsubscribing_closes_the_producers_no_other_subscription_uses() {
             .await
             .unwrap();
         assert_eq!(
-            open(),
+            transport.open_producers(),
             3,
             "one more dead letter producer, the retry one shared"
         );
         dispatcher.unsubscribe(sharing).await.unwrap();
-        assert_eq!(open(), 2);
+        assert_eq!(transport.open_producers(), 2);
         send(&transport, "stays", "unavailable");
         let dispatcher = Rc::new(dispatcher);
         let run = spawn_run(&dispatcher);
@@ -223,7 +226,7 @@ fn unsubscribing_closes_the_producers_no_other_subscription_uses() {
         drop(stays);
         dispatcher.close().await;
         run.await.unwrap().unwrap();
-        assert_eq!(open(), 0);
+        assert_eq!(transport.open_producers(), 0);
     });
 }
 
@@ -355,13 +358,13 @@ fn producers_named_by_messages(concurrency: usize) {
             .subscribe("orders", failing, options)
             .await
             .unwrap();
-        let open = |t: &MemoryTransport| t.producers_created().len() - t.producers_closed().len();
         let transport = run_until(dispatcher, async |t| {
             t.wait_acked("orders", 50).await;
-            assert!(open(t) <= 2 + 16, "{} producers open", open(t));
+            let open = t.open_producers();
+            assert!(open <= 2 + 16, "{open} producers open");
         })
         .await;
-        assert_eq!(open(&transport), 0, "after close");
+        assert_eq!(transport.open_producers(), 0, "after close");
         for name in 0..50 {
             assert_eq!(transport.published(&format!("graveyard-{name}")).len(), 1);
         }
@@ -383,8 +386,12 @@ fn a_shared_producer_whose_first_creation_failed_is_still_counted() {
         assert!(first.is_err() != second.is_err(), "{first:?} {second:?}");
         let subscribed = first.or(second).unwrap();
         dispatcher.unsubscribe(subscribed).await.unwrap();
-        let open = transport.producers_created().len() - transport.producers_closed().len();
-        assert_eq!(open, 0, "{:?}", transport.producers_created());
+        assert_eq!(
+            transport.open_producers(),
+            0,
+            "{:?}",
+            transport.producers_created()
+        );
     });
 }
 

@@ -445,6 +445,12 @@ impl MemoryTransport {
     pub fn open_consumers(&self) -> usize {
         self.broker.open_consumers.get()
     }
+
+    /// Producers created and not yet closed.
+    pub fn open_producers(&self) -> usize {
+        let created = self.broker.producers_created.borrow().len();
+        created - self.broker.producers_closed.borrow().len()
+    }
 }
 
 impl Transport for MemoryTransport {

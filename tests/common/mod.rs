@@ -448,13 +448,37 @@ pub async fn run_interop(script: &str, request: serde_json::Value) -> serde_json
 /// send waits for room in the crate's outbound queue (100 sends) instead
 /// of failing, as the dispatcher's own producers do.
 pub async fn publish(topic: &str, messages: impl IntoIterator<Item = pulsar::producer::Message>) {
+    publish_with(topic, pulsar::ProducerOptions::default(), messages).await
+}
+
+/// [`publish`] in batches of `batch_size` (the `pulsar` crate's batching); a
+/// partial batch, such as a partition's last few messages, goes out after
+/// 20 ms.
+pub async fn publish_batched(
+    topic: &str,
+    batch_size: u32,
+    messages: impl IntoIterator<Item = pulsar::producer::Message>,
+) {
+    let options = pulsar::ProducerOptions {
+        batch_size: Some(batch_size),
+        batch_timeout: Some(Duration::from_millis(20)),
+        ..Default::default()
+    };
+    publish_with(topic, options, messages).await
+}
+
+async fn publish_with(
+    topic: &str,
+    options: pulsar::ProducerOptions,
+    messages: impl IntoIterator<Item = pulsar::producer::Message>,
+) {
     let client = client().await;
     let mut producer = client
         .producer()
         .with_topic(topic)
         .with_options(pulsar::ProducerOptions {
             block_queue_if_full: true,
-            ..Default::default()
+            ..options
         })
         .build()
         .await
