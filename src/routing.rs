@@ -302,19 +302,16 @@ impl<T: Transport> Router<T> {
 
     /// Creates (or finds) the producers `policy` publishes with, so that a
     /// topic the broker refuses fails at subscribe, and takes one use of
-    /// each. On failure, the topic and the transport's error. `used` gets
-    /// the topics whose producers this call took, for
-    /// [`release`](Self::release) when the subscription goes (or its
-    /// subscribe fails after all).
+    /// each into `taken`. On failure, the topic and the transport's error.
     pub(crate) async fn prepare(
         &self,
         transport: &T,
         policy: &RoutingPolicy,
-        used: &mut Vec<String>,
+        taken: &mut TakenProducers<'_, T>,
     ) -> Result<(), (String, TransportError)> {
         for topic in policy.producer_topics() {
             match self.producers.acquire(transport, &topic).await {
-                Ok(()) => used.push(topic),
+                Ok(()) => taken.topics.push(topic),
                 Err(error) => return Err((topic, error)),
             }
         }
@@ -559,6 +556,45 @@ fn set_property_if_absent(message: &mut OutgoingMessage, key: &str, value: &str)
     }
 }
 
+/// The uses of producers a subscribe has taken so far
+/// ([`Router::prepare`]). Given back if the subscribe fails, and also if its
+/// caller drops it half way (a timeout or `select!` around the call): the
+/// uses are then given up at once and the producers left without one are
+/// closed by the next release or by close.
+pub(crate) struct TakenProducers<'a, T: Transport> {
+    router: &'a Router<T>,
+    topics: Vec<String>,
+}
+
+impl<'a, T: Transport> TakenProducers<'a, T> {
+    pub(crate) fn new(router: &'a Router<T>) -> Self {
+        TakenProducers {
+            router,
+            topics: Vec::new(),
+        }
+    }
+
+    /// The subscribe completed: its subscriptions hold these uses now.
+    pub(crate) fn keep(mut self) {
+        self.topics.clear();
+    }
+
+    /// The subscribe failed: gives the uses back, closing the producers
+    /// no subscription uses any more.
+    pub(crate) async fn give_back(mut self) {
+        let topics = std::mem::take(&mut self.topics);
+        self.router.release(&topics).await;
+    }
+}
+
+impl<T: Transport> Drop for TakenProducers<'_, T> {
+    fn drop(&mut self) {
+        if !self.topics.is_empty() {
+            self.router.producers.release_later(&self.topics);
+        }
+    }
+}
+
 /// One producer per topic, created on first use. Concurrent first uses wait
 /// for the same creation; a failed creation leaves the cell empty, so the
 /// next caller tries again.
@@ -566,6 +602,13 @@ struct Producers<T: Transport> {
     by_topic: RefCell<HashMap<String, SharedProducer<T::Producer>>>,
     /// Counts sends and creations, to tell which producer was used last.
     uses: Cell<u64>,
+    /// Producers no subscription uses any more, taken out of the map
+    /// where nothing could wait for their close: closed by the next
+    /// release or by `close_all`.
+    retired: RefCell<Vec<(String, ProducerCell<T::Producer>)>>,
+    /// Set by `close_all`: no producer is made after it, and one whose
+    /// creation was under way is closed by the task that made it.
+    closed: Cell<bool>,
 }
 
 /// One topic's producer, created on first use, and how many subscriptions
@@ -574,12 +617,15 @@ struct Producers<T: Transport> {
 /// [`UNUSED_PRODUCERS`] of those are kept, the least recently used closed
 /// first, since the names come from whoever publishes to a retry topic.
 struct SharedProducer<P> {
-    cell: Rc<OnceCell<P>>,
+    cell: ProducerCell<P>,
     users: usize,
     /// When it was last made or sent with, in [`Producers::tick`]s: one
     /// just made, its first send still to come, is not the oldest.
     last_used: Cell<u64>,
 }
+
+/// A topic's producer once made, shared by the tasks that send with it.
+type ProducerCell<P> = Rc<OnceCell<P>>;
 
 /// How many producers no subscription uses by itself are kept open.
 const UNUSED_PRODUCERS: usize = 16;
@@ -600,6 +646,8 @@ impl<T: Transport> Default for Producers<T> {
         Producers {
             by_topic: RefCell::default(),
             uses: Cell::new(0),
+            retired: RefCell::default(),
+            closed: Cell::new(false),
         }
     }
 }
@@ -647,20 +695,36 @@ impl<T: Transport> Producers<T> {
         by_topic.remove_entry(&oldest)
     }
 
-    /// The topic's producer, created on first use.
+    /// The topic's producer, created on first use; none once closed.
     async fn producer(
         &self,
         transport: &T,
         topic: &str,
-    ) -> Result<Rc<OnceCell<T::Producer>>, TransportError> {
+    ) -> Result<ProducerCell<T::Producer>, TransportError> {
+        if self.closed.get() {
+            return Err(TransportError::Closed);
+        }
         let cell = self.cell(topic);
+        let made = Cell::new(false);
         let created = cell
-            .get_or_try_init(|| transport.create_producer(topic))
+            .get_or_try_init(|| {
+                made.set(true);
+                transport.create_producer(topic)
+            })
             .await;
         if let Err(error) = created {
             drop(cell);
             self.forget_if_empty(topic);
             return Err(error);
+        }
+        if self.closed.get() {
+            // `close_all` ran while this creation was under way (no await
+            // lies between its end and here), so it found the cell empty:
+            // what was made is this task's to close.
+            if made.get() {
+                close_producer(topic, &cell).await;
+            }
+            return Err(TransportError::Closed);
         }
         Ok(cell)
     }
@@ -689,7 +753,7 @@ impl<T: Transport> Producers<T> {
         Ok(())
     }
 
-    fn cell(&self, topic: &str) -> Rc<OnceCell<T::Producer>> {
+    fn cell(&self, topic: &str) -> ProducerCell<T::Producer> {
         if let Some(shared) = self.by_topic.borrow().get(topic) {
             return shared.cell.clone();
         }
@@ -706,34 +770,48 @@ impl<T: Transport> Producers<T> {
     }
 
     /// Counts one user less of each of `topics`, and closes and forgets
-    /// the producers left without one.
+    /// the producers left without one (and those retired before).
     async fn release(&self, topics: &[String]) {
+        self.release_later(topics);
+        let retired = self.retired.take();
+        for (topic, cell) in retired {
+            close_producer(&topic, &cell).await;
+        }
+    }
+
+    /// Counts one user less of each of `topics` and retires the producers
+    /// left without one, without waiting: for a subscribe dropped by its
+    /// caller.
+    fn release_later(&self, topics: &[String]) {
+        let mut by_topic = self.by_topic.borrow_mut();
         for topic in topics {
-            let unused = {
-                let mut by_topic = self.by_topic.borrow_mut();
-                match by_topic.get_mut(topic) {
-                    Some(shared) if shared.users > 1 || !shared.is_idle() => {
-                        // Still used, or a send is under way with it (a
-                        // dead letter another subscription's message
-                        // named): kept, and left to the cap on unused ones.
-                        shared.users = shared.users.saturating_sub(1);
-                        None
-                    }
-                    Some(_) => by_topic.remove(topic),
-                    None => None,
+            match by_topic.get_mut(topic) {
+                Some(shared) if shared.users > 1 || !shared.is_idle() => {
+                    // Still used, or a send is under way with it (a dead
+                    // letter another subscription's message named): kept,
+                    // and left to the cap on unused ones.
+                    shared.users = shared.users.saturating_sub(1);
                 }
-            };
-            if let Some(shared) = unused {
-                close_producer(topic, &shared.cell).await;
+                Some(_) => {
+                    let shared = by_topic.remove(topic).expect("just found");
+                    self.retired.borrow_mut().push((topic.clone(), shared.cell));
+                }
+                None => {}
             }
         }
     }
 
     async fn close_all(&self) {
-        let all: Vec<(String, SharedProducer<T::Producer>)> =
-            self.by_topic.borrow_mut().drain().collect();
-        for (topic, shared) in all {
-            close_producer(&topic, &shared.cell).await;
+        self.closed.set(true);
+        let mut all: Vec<(String, ProducerCell<T::Producer>)> = self.retired.take();
+        all.extend(
+            self.by_topic
+                .borrow_mut()
+                .drain()
+                .map(|(topic, shared)| (topic, shared.cell)),
+        );
+        for (topic, cell) in all {
+            close_producer(&topic, &cell).await;
         }
     }
 }

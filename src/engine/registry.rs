@@ -15,6 +15,7 @@ use super::{wait_until, DispatcherStats, Engine, Handler, Phase, SubscriptionSta
 use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{HandlerError, IntoReply, SubscriptionInfo};
+use crate::routing::TakenProducers;
 use crate::transport::{Consumer, Transport};
 
 impl<T: Transport> Engine<T> {
@@ -39,22 +40,28 @@ impl<T: Transport> Engine<T> {
         let mut consumers = Vec::with_capacity(specs.len());
         // The producers this call took: given up again if it fails, so
         // that those it made go with its consumers.
-        let mut used = Vec::new();
+        let mut taken = TakenProducers::new(&self.router);
         for spec in &specs {
-            match self.create(spec, &mut used).await {
+            match self.create(spec, &mut taken).await {
                 Ok(consumer) => consumers.push(consumer),
                 Err(error) => {
                     close_consumers::<T>(consumers, "of a failed subscribe").await;
-                    self.router.release(&used).await;
-                    return Err(error);
+                    taken.give_back().await;
+                    // A close that began meanwhile is the cause to report
+                    // (it also fails the creations still under way).
+                    return Err(self
+                        .accepting_subscriptions(&first_topic)
+                        .err()
+                        .unwrap_or(error));
                 }
             }
         }
         if let Err(refused) = self.accepting_subscriptions(&first_topic) {
             close_consumers::<T>(consumers, "of a refused subscribe").await;
-            self.router.release(&used).await;
+            taken.give_back().await;
             return Err(refused);
         }
+        taken.keep();
         let pool = self
             .pools
             .borrow_mut()
@@ -79,7 +86,7 @@ impl<T: Transport> Engine<T> {
     async fn create(
         &self,
         spec: &SubscriptionSpec,
-        used: &mut Vec<String>,
+        taken: &mut TakenProducers<'_, T>,
     ) -> Result<T::Consumer, Error> {
         let topic = &spec.consumer.topic;
         let timed_out = || Error::SubscribeTimeout {
@@ -102,7 +109,7 @@ impl<T: Transport> Engine<T> {
             }
             Err(_) => return Err(timed_out()),
         };
-        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing, used));
+        let preparing = Box::pin(self.router.prepare(&self.transport, &spec.routing, taken));
         let prepared = tokio::time::timeout_at(deadline, preparing).await;
         let failure = match prepared {
             Ok(Ok(())) => return Ok(consumer),

@@ -1,15 +1,18 @@
 //! The in-memory transport with hooks for what it cannot do itself: acks
 //! that panic (a bug in the dispatcher's own path after a handler),
-//! consumer closes that take a while, and a part of the consumer (a
-//! partition) that has stopped delivering; it logs the closes, in order.
+//! consumer closes that take a while, a part of the consumer (a
+//! partition) that has stopped delivering, and producers whose creation
+//! is answered late; it logs the closes, in order.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio::sync::Notify;
+
 use crate::transport::{Consumer, ConsumerSpec, MemoryTransport, Transport};
-use crate::{Message, MessageId, TransportError};
+use crate::{full_topic_name, Message, MessageId, TransportError};
 
 #[derive(Clone, Default)]
 pub(super) struct Hooked {
@@ -19,6 +22,18 @@ pub(super) struct Hooked {
     part_failing_since: Rc<Cell<Option<tokio::time::Instant>>>,
     /// "consumer <topic> closed" and "transport closed", as they happen.
     pub(super) closes: Rc<RefCell<Vec<String>>>,
+    held_producers: Rc<HeldProducers>,
+}
+
+/// Producer creations answered late: made on the broker, then held until
+/// released (as the `pulsar` crate's answer can come after the dispatcher
+/// began to close).
+#[derive(Default)]
+struct HeldProducers {
+    topics: RefCell<Vec<String>>,
+    waiting: Cell<usize>,
+    released: Cell<bool>,
+    release: Notify,
 }
 
 impl Hooked {
@@ -30,6 +45,26 @@ impl Hooked {
     pub(super) fn consumer_close_takes(self, time: Duration) -> Self {
         self.close_takes.set(time);
         self
+    }
+
+    /// Producers for `topic` are made, then held until
+    /// [`release_producers`](Self::release_producers).
+    pub(super) fn hold_producers(self, topic: &str) -> Self {
+        self.held_producers
+            .topics
+            .borrow_mut()
+            .push(full_topic_name(topic).unwrap());
+        self
+    }
+
+    /// How many producer creations are held now.
+    pub(super) fn producers_held(&self) -> usize {
+        self.held_producers.waiting.get()
+    }
+
+    pub(super) fn release_producers(&self) {
+        self.held_producers.released.set(true);
+        self.held_producers.release.notify_waiters();
     }
 
     /// Every consumer reports part of itself failing since `since`.
@@ -57,7 +92,16 @@ impl Transport for Hooked {
     }
 
     async fn create_producer(&self, topic: &str) -> Result<Self::Producer, TransportError> {
-        self.inner.create_producer(topic).await
+        let producer = self.inner.create_producer(topic).await?;
+        let held = &self.held_producers;
+        if held.topics.borrow().iter().any(|held| held == topic) {
+            held.waiting.set(held.waiting.get() + 1);
+            while !held.released.get() {
+                held.release.notified().await;
+            }
+            held.waiting.set(held.waiting.get() - 1);
+        }
+        Ok(producer)
     }
 
     async fn close(&self) -> Result<(), TransportError> {

@@ -808,3 +808,79 @@ fn run_checks_retry_topics_as_configured() {
         }
     });
 }
+
+/// A producer the broker makes only after `close()` has closed the others
+/// (the `pulsar` crate's answer can come that late): the subscribe that
+/// asked for it fails with a typed error, and the late producer is closed
+/// (before, `acquire` panicked on the emptied map and the producer stayed
+/// open). Both a dispatcher never run and a running one.
+#[test]
+fn a_producer_answered_after_close_fails_its_subscribe_and_is_closed() {
+    for running in [false, true] {
+        run_local(async move {
+            let transport = super::hooked::Hooked::default().hold_producers("orders-retry");
+            let dispatcher = Rc::new(Dispatcher::builder().build(transport.clone()).unwrap());
+            let run = running.then(|| spawn_run(&dispatcher));
+            let subscriber = dispatcher.clone();
+            let subscribing = tokio::task::spawn_local(async move {
+                subscriber
+                    .subscribe("orders", failing, routed_options())
+                    .await
+            });
+            while transport.producers_held() == 0 {
+                tokio::task::yield_now().await;
+            }
+            dispatcher.close().await;
+            if let Some(run) = run {
+                run.await.unwrap().unwrap();
+            }
+            transport.release_producers();
+            let refused = subscribing.await.expect("the subscribe does not panic");
+            assert!(
+                matches!(refused, Err(Error::SubscribeNotAllowed { .. })),
+                "running {running}: {refused:?}"
+            );
+            assert_eq!(transport.inner.open_consumers(), 0);
+            assert_eq!(transport.inner.open_producers(), 0, "running {running}");
+        });
+    }
+}
+
+/// A subscribe its caller gives up on (a timeout around the call) while
+/// its reply producer is being made gives back the retry producer it had
+/// taken: the next subscription that publishes there, once it goes, takes
+/// that producer with it.
+#[test]
+fn a_subscribe_dropped_by_its_caller_gives_back_the_producers_it_took() {
+    run_local(async {
+        let transport = super::hooked::Hooked::default().hold_producers("replies");
+        let dispatcher = Dispatcher::builder().build(transport.clone()).unwrap();
+        let given_up = tokio::time::timeout(
+            Duration::from_millis(50),
+            dispatcher.subscribe("orders", failing, routed_options().reply_topic("replies")),
+        )
+        .await;
+        assert!(
+            given_up.is_err(),
+            "the subscribe waits for its reply producer"
+        );
+        assert!(dispatcher.subscriptions().is_empty());
+        let other = dispatcher
+            .subscribe("payments", failing, routed_options())
+            .await
+            .unwrap();
+        dispatcher.unsubscribe(other).await.unwrap();
+        let (mut created, mut closed) = (
+            transport.inner.producers_created(),
+            transport.inner.producers_closed(),
+        );
+        // The reply producer's creation was dropped with the subscribe,
+        // before it was answered (the crate's producer closes on drop).
+        created.retain(|topic| topic != "persistent://public/default/replies");
+        created.sort();
+        closed.sort();
+        assert_eq!(closed, created, "each producer made is closed once");
+        assert_eq!(created.iter().filter(|made| *made == RETRY).count(), 2);
+        dispatcher.close().await;
+    });
+}
