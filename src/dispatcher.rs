@@ -377,6 +377,13 @@ impl<T: Transport> Dispatcher<T> {
         R: IntoReply + 'static,
         E: Into<HandlerError> + 'static,
     {
+        if family.has_retry_sublevel() && !options.has_retry_errors() {
+            return Err(Error::InvalidOption {
+                option: "retry_errors",
+                reason: "a family with a retry sublevel needs retry_errors: the errors that retry"
+                    .into(),
+            });
+        }
         if family.has_retry_sublevel() && options.has_retry_topic() {
             return Err(Error::InvalidOption {
                 option: "retry_topic",

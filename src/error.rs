@@ -117,6 +117,18 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// This dispatcher already consumes the topic with a subscription of
+    /// that name: a second consumer of it would wait for ever on an
+    /// Exclusive or Failover subscription, and on a Shared one take turns
+    /// with the first at another priority. Change the existing one's
+    /// priority instead, or use another subscription name.
+    #[error("{topic} is already subscribed as {subscription:?} on this dispatcher")]
+    AlreadySubscribed {
+        /// The full topic name.
+        topic: String,
+        /// The subscription name.
+        subscription: String,
+    },
     /// `subscribe` was called once the dispatcher had begun to close.
     #[error("cannot subscribe to {topic}: the dispatcher is {state}")]
     SubscribeNotAllowed {
@@ -162,6 +174,21 @@ pub enum Error {
         /// The subscription name, if one was given.
         subscription: Option<String>,
         /// How long `subscribe` waited.
+        waited: std::time::Duration,
+    },
+    /// The broker did not answer the creation of a producer for a
+    /// subscription's retry, dead letter or reply topic within the
+    /// subscription's `subscribe_timeout`, for example because another
+    /// producer holds the topic with Exclusive access.
+    #[error(
+        "creating a producer for {topic} (for a subscription to {subscribed}) took over {waited:?}"
+    )]
+    ProducerTimeout {
+        /// The full name of the topic to publish to.
+        topic: String,
+        /// The full name of the topic being subscribed.
+        subscribed: String,
+        /// How long `subscribe` waited in all.
         waited: std::time::Duration,
     },
     /// A producer for a subscription's retry, dead letter or reply topic

@@ -19,7 +19,7 @@ use crate::engine::SubscriptionSpec;
 use crate::error::{checked_duration, Error, MAX_KEY_BUFFER};
 use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::scheduler::{Ordering, SubscriptionConfig};
-use crate::topic::full_topic_name;
+use crate::topic::{full_topic_name, is_non_persistent};
 use crate::transport::ConsumerSpec;
 pub use crate::transport::DEFAULT_PARTITION_REFRESH_INTERVAL;
 
@@ -324,6 +324,11 @@ impl SubscribeOptions {
         self
     }
 
+    /// Whether retry errors have been set.
+    pub(crate) fn has_retry_errors(&self) -> bool {
+        self.retry_errors.is_some()
+    }
+
     /// Whether a retry topic has been set.
     pub(crate) fn has_retry_topic(&self) -> bool {
         self.retry_topic.is_some()
@@ -430,6 +435,15 @@ impl SubscribeOptions {
         if self.receiver_queue_size == 0 {
             return Err(invalid("receiver_queue_size", "must be at least 1"));
         }
+        if self
+            .subscription
+            .as_ref()
+            .is_some_and(|name| name.trim().is_empty())
+        {
+            // The broker refuses it, and the crate asks again until the
+            // subscribe timeout.
+            return Err(invalid("subscription", "must not be empty or blank"));
+        }
         match (&self.retry_errors, &self.retry_topic) {
             (Some(_), None) => return Err(invalid("retry_errors", "needs a retry_topic")),
             (None, Some(_)) => return Err(invalid("retry_topic", "needs retry_errors")),
@@ -475,7 +489,7 @@ impl SubscribeOptions {
         }
         let retry = match (&self.retry_topic, &self.retry_errors) {
             (Some(retry_topic), Some(errors)) => Some(RetryPolicy {
-                topic: full_topic_name(retry_topic)?,
+                topic: persistent_topic("retry_topic", retry_topic)?,
                 errors: errors.clone(),
                 backoff: self
                     .retry_backoff
@@ -492,7 +506,7 @@ impl SubscribeOptions {
             reply_topic: self
                 .reply_topic
                 .as_deref()
-                .map(full_topic_name)
+                .map(|reply_topic| option_topic("reply_topic", reply_topic))
                 .transpose()?,
         };
         Ok((routing, dead_letter_policy))
@@ -513,7 +527,17 @@ impl SubscribeOptions {
                     reason: "needs a dead_letter_topic or a subscription name".to_owned(),
                 })?
         } else {
-            full_topic_name(&policy.dead_letter_topic)?
+            let dead_letter_topic =
+                persistent_topic("dead_letter_policy", &policy.dead_letter_topic)?;
+            if dead_letter_topic == topic {
+                return Err(Error::InvalidOption {
+                    option: "dead_letter_policy",
+                    reason: format!(
+                        "{topic} is the subscription's own topic: its dead letters would come back to the handler that failed them"
+                    ),
+                });
+            }
+            dead_letter_topic
         };
         Ok(Some(DeadLetterPolicy {
             max_redeliver_count: policy.max_redeliver_count,
@@ -528,4 +552,31 @@ impl SubscribeOptions {
             .as_ref()
             .map(|subscription| format!("{topic}-{subscription}-DLQ"))
     }
+}
+
+/// The full name of a topic an option names; a malformed one is refused
+/// with the option's name.
+fn option_topic(option: &'static str, name: &str) -> Result<String, Error> {
+    full_topic_name(name).map_err(|error| Error::InvalidOption {
+        option,
+        reason: error.to_string(),
+    })
+}
+
+/// The full name of a topic that keeps the messages the dispatcher lets
+/// go of (a retry or dead letter topic given by name): it must be
+/// persistent, since the original is acked once published there and a
+/// non-persistent topic keeps nothing for a subscriber that is not
+/// connected.
+fn persistent_topic(option: &'static str, name: &str) -> Result<String, Error> {
+    let full_name = option_topic(option, name)?;
+    if is_non_persistent(&full_name) {
+        return Err(Error::InvalidOption {
+            option,
+            reason: format!(
+                "{full_name} is non-persistent: it keeps nothing for a subscriber that is not connected"
+            ),
+        });
+    }
+    Ok(full_name)
 }

@@ -310,7 +310,10 @@ impl<T: Transport> Router<T> {
         taken: &mut TakenProducers<'_, T>,
     ) -> Result<(), (String, TransportError)> {
         for topic in policy.producer_topics() {
-            match self.producers.acquire(transport, &topic).await {
+            taken.creating = Some(topic.clone());
+            let acquired = self.producers.acquire(transport, &topic).await;
+            taken.creating = None;
+            match acquired {
                 Ok(()) => taken.topics.push(topic),
                 Err(error) => return Err((topic, error)),
             }
@@ -564,6 +567,9 @@ fn set_property_if_absent(message: &mut OutgoingMessage, key: &str, value: &str)
 pub(crate) struct TakenProducers<'a, T: Transport> {
     router: &'a Router<T>,
     topics: Vec<String>,
+    /// The topic whose producer is being made or found now, if any: what a
+    /// subscribe that times out was waiting for.
+    pub(crate) creating: Option<String>,
 }
 
 impl<'a, T: Transport> TakenProducers<'a, T> {
@@ -571,6 +577,7 @@ impl<'a, T: Transport> TakenProducers<'a, T> {
         TakenProducers {
             router,
             topics: Vec::new(),
+            creating: None,
         }
     }
 

@@ -16,11 +16,16 @@ pub fn full_topic_name(name: &str) -> Result<String, Error> {
         topic: name.to_owned(),
         reason: reason.to_owned(),
     };
+    if name.chars().any(char::is_control) {
+        return Err(invalid("a topic name has no control characters"));
+    }
     if let Some((domain, rest)) = name.split_once("://") {
         if domain != "persistent" && domain != "non-persistent" {
             return Err(invalid("the domain must be persistent or non-persistent"));
         }
-        if rest.split('/').count() < 3 || rest.split('/').any(str::is_empty) {
+        // Four parts were the old names with a cluster, which brokers no
+        // longer take.
+        if rest.split('/').count() != 3 || rest.split('/').any(str::is_empty) {
             return Err(invalid("expected <domain>://<tenant>/<namespace>/<topic>"));
         }
         return Ok(name.to_owned());
@@ -71,7 +76,10 @@ mod tests {
             "a//b",
             "http://a/b/c",
             "persistent://a/b",
+            "persistent://a/b/c/d",
             "a/b/c/d",
+            "orders\n",
+            "a/b/c\td",
         ] {
             assert!(full_topic_name(bad).is_err(), "{bad:?} was accepted");
         }

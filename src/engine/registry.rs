@@ -37,6 +37,7 @@ impl<T: Transport> Engine<T> {
         };
         let first_topic = first.consumer.topic.clone();
         self.accepting_subscriptions(&first_topic)?;
+        self.not_yet_subscribed(&specs)?;
         let mut consumers = Vec::with_capacity(specs.len());
         // The producers this call took: given up again if it fails, so
         // that those it made go with its consumers.
@@ -56,7 +57,11 @@ impl<T: Transport> Engine<T> {
                 }
             }
         }
-        if let Err(refused) = self.accepting_subscriptions(&first_topic) {
+        // Asked again: the same subscription may have been made meanwhile.
+        let accepted = self
+            .accepting_subscriptions(&first_topic)
+            .and_then(|()| self.not_yet_subscribed(&specs));
+        if let Err(refused) = accepted {
             close_consumers::<T>(consumers, "of a refused subscribe").await;
             taken.give_back().await;
             return Err(refused);
@@ -114,10 +119,39 @@ impl<T: Transport> Engine<T> {
         let failure = match prepared {
             Ok(Ok(())) => return Ok(consumer),
             Ok(Err((topic, source))) => Error::Producer { topic, source },
-            Err(_) => timed_out(),
+            Err(_) => match taken.creating.take() {
+                Some(producer_topic) => Error::ProducerTimeout {
+                    topic: producer_topic,
+                    subscribed: topic.clone(),
+                    waited: spec.subscribe_timeout,
+                },
+                None => timed_out(),
+            },
         };
         close_consumers::<T>(vec![consumer], "of a failed subscribe").await;
         Err(failure)
+    }
+
+    /// Refuses a topic this dispatcher already consumes with a
+    /// subscription of the same name.
+    fn not_yet_subscribed(&self, specs: &[SubscriptionSpec]) -> Result<(), Error> {
+        let subscriptions = self.subscriptions.borrow();
+        for spec in specs {
+            let Some(name) = &spec.consumer.subscription else {
+                continue;
+            };
+            let taken = subscriptions.iter().any(|(_, existing)| {
+                existing.info.topic == spec.consumer.topic
+                    && existing.info.subscription.as_ref() == Some(name)
+            });
+            if taken {
+                return Err(Error::AlreadySubscribed {
+                    topic: spec.consumer.topic.clone(),
+                    subscription: name.clone(),
+                });
+            }
+        }
+        Ok(())
     }
 
     fn accepting_subscriptions(&self, topic: &str) -> Result<(), Error> {

@@ -599,6 +599,13 @@ fn a_subscription_that_never_dead_letters_makes_no_dead_letter_producer() {
     });
 }
 
+fn dead_letters_to(topic: &str) -> SubscribeOptions {
+    routed_options().dead_letter_policy(DeadLetterPolicy {
+        max_redeliver_count: 3,
+        dead_letter_topic: topic.into(),
+    })
+}
+
 #[test]
 fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
     run_local(async {
@@ -628,6 +635,28 @@ fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
                     .max_retries(2),
             ),
             ("fatal_errors", SubscribeOptions::new().fatal_errors(any())),
+            // The broker refuses it, after the whole subscribe timeout.
+            ("subscription", routed_options().subscription("")),
+            ("subscription", routed_options().subscription("  ")),
+            // Malformed topics of options are refused with the option.
+            ("reply_topic", routed_options().reply_topic("bad//name")),
+            ("retry_topic", routed_options().retry_topic("orders//retry")),
+            ("dead_letter_policy", dead_letters_to("orders//dlq")),
+            // Dead letters sent back to the handler that failed them.
+            (
+                "dead_letter_policy",
+                dead_letters_to("persistent://public/default/orders"),
+            ),
+            // Topics that keep nothing for a subscriber not connected,
+            // where the original is acked once published.
+            (
+                "dead_letter_policy",
+                dead_letters_to("non-persistent://public/default/orders-dlq"),
+            ),
+            (
+                "retry_topic",
+                routed_options().retry_topic("non-persistent://public/default/orders-retry"),
+            ),
         ];
         for (option, options) in cases {
             let refused = dispatcher.subscribe("orders", failing, options).await;
@@ -636,10 +665,6 @@ fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
                 "expected {option} to be named: {refused:?}"
             );
         }
-        let refused = dispatcher
-            .subscribe("orders", failing, routed_options().reply_topic("bad//name"))
-            .await;
-        assert!(matches!(refused, Err(Error::InvalidTopic { .. })));
         assert_eq!(transport.open_consumers(), 0);
         assert!(dispatcher.subscriptions().is_empty());
         // A dead letter policy is as good as a subscription name.
@@ -713,6 +738,21 @@ fn an_invalid_or_failing_family_leaves_the_dispatcher_unchanged() {
                 ..
             })
         ));
+        // A retry sublevel without the errors that retry names what is
+        // missing, not the retry topic the user never set.
+        let refused = dispatcher
+            .subscribe_family(&family, failing, SubscribeOptions::new())
+            .await;
+        assert!(
+            matches!(
+                refused,
+                Err(Error::InvalidOption {
+                    option: "retry_errors",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
 
         priorities! { enum Wide { A = 100, B = 140 } }
         let too_wide = TopicFamily::<Wide, Lane>::new("orders");
@@ -881,6 +921,97 @@ fn a_subscribe_dropped_by_its_caller_gives_back_the_producers_it_took() {
         closed.sort();
         assert_eq!(closed, created, "each producer made is closed once");
         assert_eq!(created.iter().filter(|made| *made == RETRY).count(), 2);
+        dispatcher.close().await;
+    });
+}
+
+/// A topic this dispatcher already consumes with the same subscription
+/// name is refused, however the topic is written and whether it came
+/// alone or in a family: a second Exclusive consumer would wait out the
+/// subscribe timeout, a second Shared one take turns with the first at
+/// another priority. Unsubscribed, the name is free again.
+#[test]
+fn the_same_topic_and_subscription_twice_is_refused() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let exclusive = || SubscribeOptions::new().subscription("s");
+        let first = dispatcher
+            .subscribe("orders", failing, exclusive())
+            .await
+            .unwrap();
+        let again = dispatcher.subscribe(ORDERS, failing, exclusive()).await;
+        assert!(
+            matches!(
+                &again,
+                Err(Error::AlreadySubscribed { topic, subscription })
+                    if topic == ORDERS && subscription == "s"
+            ),
+            "{again:?}"
+        );
+        // Another subscription name, or none, is another subscription.
+        dispatcher
+            .subscribe("orders", failing, SubscribeOptions::new().subscription("t"))
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("orders", failing, SubscribeOptions::new())
+            .await
+            .unwrap();
+        let shared = SubscribeOptions::new()
+            .subscription("s")
+            .subscription_type(SubType::Shared);
+        let family = TopicFamily::<Level>::new("orders");
+        dispatcher
+            .subscribe_family(&family, failing, shared.clone())
+            .await
+            .unwrap();
+        let overlapping = dispatcher
+            .subscribe("orders_live", failing, shared.clone().priority(5))
+            .await;
+        assert!(
+            matches!(overlapping, Err(Error::AlreadySubscribed { .. })),
+            "{overlapping:?}"
+        );
+        assert_eq!(dispatcher.subscriptions().len(), 5);
+        assert_eq!(transport.open_consumers(), 5);
+        dispatcher.unsubscribe(first).await.unwrap();
+        dispatcher
+            .subscribe("orders", failing, exclusive())
+            .await
+            .unwrap();
+        dispatcher.close().await;
+    });
+}
+
+/// A subscribe that times out waiting for one of its producers names that
+/// producer's topic, and leaves nothing behind: the same subscription is
+/// made once the broker answers again.
+#[test]
+fn a_producer_that_is_not_answered_in_time_is_named() {
+    run_local(async {
+        let transport = super::hooked::Hooked::default().hold_producers("replies");
+        let dispatcher = Dispatcher::builder().build(transport.clone()).unwrap();
+        let options = || {
+            routed_options()
+                .reply_topic("replies")
+                .subscribe_timeout(Duration::from_millis(50))
+        };
+        let refused = dispatcher.subscribe("orders", failing, options()).await;
+        assert!(
+            matches!(
+                &refused,
+                Err(Error::ProducerTimeout { topic, subscribed, .. })
+                    if topic == "persistent://public/default/replies" && subscribed == ORDERS
+            ),
+            "{refused:?}"
+        );
+        assert!(dispatcher.subscriptions().is_empty());
+        assert_eq!(transport.inner.open_consumers(), 0);
+        transport.release_producers();
+        dispatcher
+            .subscribe("orders", failing, options())
+            .await
+            .unwrap();
         dispatcher.close().await;
     });
 }
