@@ -241,9 +241,10 @@ pub struct Repairs {
     /// once idle after a nack, in case the broker lost part of the nack's
     /// own rewind (one per partition).
     pub rewinds_repeated: u64,
-    /// Second copies of messages still being handled, which a rewind on an
-    /// Exclusive or Failover subscription delivered again: dropped, since
-    /// the copy being handled settles the message.
+    /// Second copies of messages still being handled, which the broker
+    /// delivered again (a reconnection on any subscription type, a nack's
+    /// rewind on Exclusive and Failover): dropped, since the copy being
+    /// handled settles the message.
     pub dropped_in_flight: u64,
 }
 

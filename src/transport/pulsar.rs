@@ -119,12 +119,11 @@ impl Transport for PulsarTransport {
         let spec = &subscriber.spec;
         let remembered = remembered_acks(spec.receiver_queue_size, partitions.len());
         let persistent = !is_non_persistent(&spec.topic);
-        let rewinds = (persistent
-            && matches!(
-                spec.subscription_type,
-                SubType::Exclusive | SubType::Failover
-            ))
-        .then(RewindCheck::new);
+        let rewinding = matches!(
+            spec.subscription_type,
+            SubType::Exclusive | SubType::Failover
+        );
+        let rewinds = persistent.then(|| RewindCheck::new(rewinding));
         let acks_each_member = spec.unacked_message_resend_delay.is_some();
         Ok(PulsarConsumer {
             added: (partition_count > 0).then(|| AddedPartitions::new(subscriber)),
@@ -186,10 +185,10 @@ pub struct PulsarConsumer {
     next_partition: usize,
     batches: BatchSettlements,
     recent_acks: RecentAcks,
-    /// On Exclusive and Failover subscriptions, where a nack rewinds the
-    /// subscription: the messages handed out and not settled, whose second
-    /// copies are dropped, and when to ask for a rewind once more (see
-    /// `rewind`).
+    /// On a persistent topic, the messages handed out and not settled,
+    /// whose second copies are dropped, and on Exclusive and Failover
+    /// subscriptions, where a nack rewinds the subscription, when to ask
+    /// for a rewind once more (see `rewind`).
     rewinds: Option<RewindCheck>,
     /// With the crate's ack timeout on, a batch is acked member by member
     /// (see `ack_each_member`).

@@ -1,18 +1,24 @@
-//! Rewinds, on Exclusive and Failover subscriptions: the copies they
-//! deliver of messages still being handled, and the entries they skip.
+//! Second copies and rewinds: the copies the broker delivers of messages
+//! still being handled, and, on Exclusive and Failover subscriptions, the
+//! entries a rewind skips.
 //!
-//! On those subscription types a nack does not redeliver one message: the
-//! broker rewinds the subscription and delivers again everything not yet
+//! Whenever the broker gives a consumer's messages out again (a
+//! reconnection after a topic unload or a broker restart, on every
+//! subscription type; on Exclusive and Failover also every nack, which
+//! rewinds the whole subscription), it delivers again everything not yet
 //! acknowledged, messages still being handled included. Those second
-//! copies are dropped as they arrive: the copy being handled settles the
-//! message (an ack, or a nack whose own rewind brings it back).
+//! copies are dropped as they arrive, on every persistent subscription: the
+//! copy being handled settles the message (an ack, or a nack that brings
+//! it back), and handling the second copy at the same time would run one
+//! message twice at once (on Key_Shared, two handlers of one key).
 //!
 //! A rewind that meets a read the broker has in flight skips the entry
 //! that read fetched: it stays unacknowledged and is not delivered again
 //! until the next rewind or reconnection. The chaos suite shows it (a debug
 //! trace of the `pulsar` crate: entries 2348, then 2465 after 2463 right
 //! after a rewind, and 2464 never), and Java clients guard against it with
-//! consumer epochs, which the crate does not send. So a consumer that
+//! consumer epochs, which the crate does not send. So on Exclusive and
+//! Failover a consumer that
 //! nacked asks again once it has received nothing and holds nothing
 //! unsettled for [`IDLE_BEFORE_REWIND`]: each partition it nacked on
 //! rewinds once more. With nothing in flight nothing is delivered twice by
@@ -48,12 +54,15 @@ fn position(id: &MessageId) -> Position {
     (entry_of(id), id.batch_index())
 }
 
-/// What a consumer on a rewinding subscription keeps track of: the
-/// messages it handed out and has not settled, and when to ask its
-/// partitions to rewind once more.
+/// What a consumer of a persistent topic keeps track of: the messages it
+/// handed out and has not settled, and on a rewinding subscription when to
+/// ask its partitions to rewind once more.
 pub(super) struct RewindCheck {
     /// Messages handed out and not settled yet.
     unsettled: HashSet<Position, TrustedHashing>,
+    /// Whether a nack rewinds the subscription (Exclusive and Failover), so
+    /// that an idle consumer that nacked rewinds once more.
+    rewinding: bool,
     /// Per partition, a message nacked there since the last check (the
     /// broker rewinds the whole partition whichever id a request names).
     nacked: Vec<Option<MessageIdData>>,
@@ -70,9 +79,10 @@ pub(super) struct RewindCheck {
 }
 
 impl RewindCheck {
-    pub(super) fn new() -> Self {
+    pub(super) fn new(rewinding: bool) -> Self {
         RewindCheck {
             unsettled: HashSet::default(),
+            rewinding,
             nacked: Vec::new(),
             idle_since: Box::pin(tokio::time::sleep(IDLE_BEFORE_REWIND)),
             armed: false,
@@ -102,6 +112,9 @@ impl RewindCheck {
 
     /// A nack for `id` went to `partition`.
     pub(super) fn nacked(&mut self, partition: usize, id: MessageIdData) {
+        if !self.rewinding {
+            return;
+        }
         if self.nacked.len() <= partition {
             self.nacked.resize(partition + 1, None);
         }
@@ -183,8 +196,22 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn without_rewinds_copies_are_dropped_and_nothing_is_rewound_again() {
+        let mut check = RewindCheck::new(false);
+        assert!(check.received(&message(1)));
+        assert!(!check.received(&message(1)), "a copy of one being handled");
+        check.settled(&message(1));
+        check.nacked(0, id(1));
+        assert!(check.received(&message(1)), "delivered again once settled");
+        check.settled(&message(1));
+        tokio::time::advance(IDLE_BEFORE_REWIND * 2).await;
+        assert_eq!(due(&mut check), None, "a nack rewinds nothing here");
+        assert_eq!(check.dropped_in_flight, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn an_idle_consumer_that_nacked_rewinds_each_nacked_partition_once() {
-        let mut check = RewindCheck::new();
+        let mut check = RewindCheck::new(true);
         assert_eq!(due(&mut check), None, "nothing nacked");
         tokio::time::advance(IDLE_BEFORE_REWIND * 2).await;
         assert_eq!(due(&mut check), None, "nothing nacked, however long");
@@ -212,7 +239,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_message_received_while_waiting_starts_the_wait_again() {
-        let mut check = RewindCheck::new();
+        let mut check = RewindCheck::new(true);
         check.nacked(0, id(1));
         assert_eq!(due(&mut check), None);
         tokio::time::advance(IDLE_BEFORE_REWIND - Duration::from_millis(1)).await;
@@ -236,7 +263,7 @@ mod tests {
         let count = std::sync::Arc::new(Count(0.into()));
         let waker = futures::task::waker(count.clone());
         let woken = || count.0.load(std::sync::atomic::Ordering::SeqCst);
-        let mut check = RewindCheck::new();
+        let mut check = RewindCheck::new(true);
         assert!(check.received(&message(1)));
         assert!(check.received(&message(2)));
         check.settled(&message(1));
@@ -253,7 +280,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_second_copy_of_a_message_being_handled_is_dropped() {
-        let mut check = RewindCheck::new();
+        let mut check = RewindCheck::new(true);
         let member = |index| MessageId::new(1, 8, 2, Some(index));
         assert!(check.received(&message(4)));
         assert!(check.received(&member(0)));
