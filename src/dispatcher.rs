@@ -144,8 +144,10 @@ impl DispatcherBuilder {
     /// cancelled (their futures dropped) and their messages nacked, messages
     /// still waiting are nacked, the consumers and the connection are closed
     /// all the same, and `run()` returns
-    /// [`Error::HandlersCancelled`]. [`CloseHandle::close_within`] sets a
-    /// deadline for one shutdown.
+    /// [`Error::HandlersCancelled`]. A handler that returned before it and
+    /// whose reply, retry or dead letter is being published gets
+    /// [`PUBLISH_GRACE`](crate::PUBLISH_GRACE) more to finish.
+    /// [`CloseHandle::close_within`] sets a deadline for one shutdown.
     pub fn shutdown_timeout(mut self, limit: Duration) -> Self {
         self.settings.shutdown_timeout = Some(limit);
         self
@@ -479,7 +481,9 @@ impl<T: Transport> Dispatcher<T> {
 
     /// Like [`close`](Self::close), but cancels the handlers still running
     /// after `limit` (their messages are nacked) and closes all the same;
-    /// returns how many handlers were cancelled. A limit beyond
+    /// returns how many handlers were cancelled. A reply, retry or dead
+    /// letter being published at `limit` for a handler that had returned
+    /// gets [`PUBLISH_GRACE`](crate::PUBLISH_GRACE) more. A limit beyond
     /// [`MAX_DURATION`](crate::MAX_DURATION) counts as none.
     pub async fn close_within(&self, limit: Duration) -> usize {
         self.engine.close_within(limit).await

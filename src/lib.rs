@@ -122,6 +122,7 @@ pub use dispatcher::{
 };
 pub use engine::{
     DispatcherStats, Health, HealthPhase, Latency, SubscriptionHealth, SubscriptionStats,
+    PUBLISH_GRACE,
 };
 pub use error::{
     Error, RetryTopicProblem, TransportError, MAX_CONCURRENCY, MAX_DURATION, MAX_KEY_BUFFER,

@@ -20,6 +20,11 @@ use crate::outcome::panic_text;
 use crate::routing::{retry_topic_problems, RetryTopicCheck};
 use crate::transport::Transport;
 
+/// How much longer than a shutdown deadline (`shutdown_timeout`,
+/// `close_within`) a handler that returned before it may take to publish
+/// its reply, retry or dead letter before that publish is cancelled too.
+pub const PUBLISH_GRACE: Duration = Duration::from_secs(1);
+
 impl<T: Transport> Engine<T> {
     /// Moves from `Idle` to `Running` and spawns the engine task.
     pub(crate) fn start(self: &Rc<Self>) -> Result<(), Error> {
@@ -146,8 +151,14 @@ impl<T: Transport> Engine<T> {
         let now = Instant::now();
         let mut next = self.stop_deadline.get().filter(|_| !self.cancelling.get());
         if next.is_some_and(|deadline| deadline <= now) {
-            self.cancel_handlers();
-            next = None;
+            self.cancel_handlers(now);
+            next = self.publish_deadline.get();
+        } else if let Some(deadline) = self.publish_deadline.get() {
+            if deadline <= now {
+                self.cancel_publishes();
+            } else {
+                next = Some(deadline);
+            }
         }
         self.timed
             .borrow_mut()
@@ -234,8 +245,11 @@ impl<T: Transport> Engine<T> {
     }
 
     /// Past the shutdown deadline: messages still waiting are nacked and
-    /// every handler still running is dropped (its message nacked).
-    fn cancel_handlers(&self) {
+    /// every handler still running is dropped (its message nacked). A
+    /// handler that returned and whose reply, retry or dead letter is being
+    /// published is given [`PUBLISH_GRACE`] more to finish: cancelled, it
+    /// would be nacked and handled again (and its reply sent twice).
+    fn cancel_handlers(&self, now: Instant) {
         self.cancelling.set(true);
         loop {
             let waiting = self.scheduler.borrow_mut().take_waiting();
@@ -261,9 +275,28 @@ impl<T: Transport> Engine<T> {
             running,
             "shutdown deadline passed; cancelling the handlers still running"
         );
+        let mut publishing = false;
         for pool in self.pools.borrow().values() {
-            pool.cancel();
+            publishing |= pool.cancel(false);
         }
+        if publishing {
+            self.publish_deadline.set(Some(now + PUBLISH_GRACE));
+        }
+    }
+
+    /// Past the shutdown deadline and its grace: publishes still under
+    /// way are dropped too (their messages nacked).
+    fn cancel_publishes(&self) {
+        self.publish_deadline.set(None);
+        warn!("publishes still under way past the shutdown deadline's grace; cancelling them");
+        for pool in self.pools.borrow().values() {
+            pool.cancel(true);
+        }
+    }
+
+    /// Whether the shutdown deadline has passed.
+    pub(crate) fn is_cancelling(&self) -> bool {
+        self.cancelling.get()
     }
 
     /// Counts a job dropped by the shutdown deadline.

@@ -57,6 +57,7 @@ use tokio::time::{Instant, Sleep};
 use tracing::debug;
 
 pub use self::health::{Health, Phase as HealthPhase, SubscriptionHealth};
+pub use self::lifecycle::PUBLISH_GRACE;
 pub use self::stats::{DispatcherStats, Latency, SubscriptionStats};
 pub(crate) use self::subscription::{SubscriptionId, SubscriptionSpec};
 
@@ -152,8 +153,11 @@ pub(crate) trait Pool<T: Transport> {
     /// Lets the workers end: idle ones at once, busy ones after their job.
     fn close(&self);
 
-    /// Drops every worker's task, busy or idle (the shutdown deadline).
-    fn cancel(&self);
+    /// Drops the workers' tasks (the shutdown deadline): those whose
+    /// handler returned and whose reply, retry or dead letter is being
+    /// published only with `publishing_too`. Returns whether any such
+    /// worker was left.
+    fn cancel(&self, publishing_too: bool) -> bool;
 }
 
 /// A subscription's handler: the value the user gave, and the pool whose
@@ -231,6 +235,9 @@ pub(crate) struct Engine<T: Transport> {
     stop_deadline: Cell<Option<Instant>>,
     /// Set once the handlers of a shutdown past its deadline are cancelled.
     cancelling: Cell<bool>,
+    /// When the publishes under way at the shutdown deadline (of handlers
+    /// that had returned) are cancelled too, if any were.
+    publish_deadline: Cell<Option<Instant>>,
     /// Handlers cancelled by the shutdown deadline.
     cancelled: Cell<usize>,
     /// Whether something was added to what the timer covers since it was
@@ -327,6 +334,7 @@ impl<T: Transport> Engine<T> {
             shutdown_timeout: settings.shutdown_timeout,
             stop_deadline: Cell::new(None),
             cancelling: Cell::new(false),
+            publish_deadline: Cell::new(None),
             cancelled: Cell::new(0),
             timers_changed: Cell::new(true),
             timings: settings.timings,

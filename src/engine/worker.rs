@@ -49,8 +49,9 @@ pub(crate) const JOBS_PER_POLL: u32 = 32;
 pub(crate) struct WorkerPool<T: Transport, F, R, E> {
     /// Workers waiting for a message, most recently idle last.
     idle: RefCell<Vec<Rc<Inbox<T>>>>,
-    /// Every worker's task, to cancel at the shutdown deadline.
-    tasks: RefCell<Vec<tokio::task::AbortHandle>>,
+    /// Every worker's task, to cancel at the shutdown deadline, and
+    /// whether it is publishing what its handler returned.
+    tasks: RefCell<Vec<(tokio::task::AbortHandle, Rc<Cell<bool>>)>>,
     closed: Cell<bool>,
     types: PhantomData<fn(F) -> Result<R, E>>,
 }
@@ -63,6 +64,9 @@ struct Inbox<T: Transport> {
     /// the one it runs, each holding its permit, in the order picked.
     /// Empty while the worker waits for a job.
     queue: RefCell<VecDeque<Job<T>>>,
+    /// Set while the worker publishes the reply, retry or dead letter of a
+    /// handler that returned: the shutdown deadline lets that finish.
+    publishing: Rc<Cell<bool>>,
 }
 
 impl<T: Transport, F, R, E> WorkerPool<T, F, R, E>
@@ -95,17 +99,21 @@ where
     /// Spawns a worker that starts with `first`.
     fn spawn(self: Rc<Self>, first: Job<T>) {
         let engine = first.engine.clone();
+        let publishing = Rc::new(Cell::new(false));
         let inbox = Rc::new(Inbox {
             job: Cell::new(None),
             waker: Cell::new(None),
             queue: RefCell::default(),
+            publishing: publishing.clone(),
         });
         let task = WorkerTask {
             inbox: inbox.clone(),
             work: Box::pin(self.clone().work(engine, first, inbox)),
         };
         let task = tokio::task::spawn_local(task);
-        self.tasks.borrow_mut().push(task.abort_handle());
+        self.tasks
+            .borrow_mut()
+            .push((task.abort_handle(), publishing));
     }
 
     /// A worker's life: run the job it was spawned with, then every job it
@@ -128,8 +136,15 @@ where
                 in_this_poll = 0;
                 tokio::task::yield_now().await;
             }
-            self.run(job, &engine).await;
+            self.run(job, &engine, &inbox.publishing).await;
             current = None;
+            if engine.is_cancelling() {
+                // Past the shutdown deadline, spared to finish a publish:
+                // the jobs it had picked are not started (dropped, each
+                // nacked and counted as cancelled).
+                inbox.queue.borrow_mut().clear();
+                return;
+            }
             in_this_poll += 1;
             if in_this_poll >= JOBS_PER_POLL {
                 in_this_poll = 0;
@@ -147,7 +162,7 @@ where
 
     /// Runs the handler on the job's message where it is stored, then
     /// settles the message by the handler's outcome.
-    async fn run(&self, job: &mut Job<T>, engine: &Engine<T>) {
+    async fn run(&self, job: &mut Job<T>, engine: &Engine<T>, publishing: &Cell<bool>) {
         let span = job.span(engine);
         let since = job.since();
         let started = since.map(|_| Instant::now());
@@ -208,12 +223,14 @@ where
         let failed = match concluded {
             Ok(None) => return,
             Ok(Some(publish)) => {
+                publishing.set(true);
                 let published = AssertUnwindSafe(job.publish_and_settle(publish)).catch_unwind();
-                match span {
+                let published = match span {
                     None => published.await,
                     Some(span) => published.instrument(span).await,
-                }
-                .err()
+                };
+                publishing.set(false);
+                published.err()
             }
             Err(panic) => Some(panic),
         };
@@ -320,10 +337,16 @@ where
         }
     }
 
-    fn cancel(&self) {
-        for task in self.tasks.borrow_mut().drain(..) {
-            task.abort();
-        }
+    fn cancel(&self, publishing_too: bool) -> bool {
+        let mut tasks = self.tasks.borrow_mut();
+        tasks.retain(|(task, publishing)| {
+            let spared = publishing.get() && !publishing_too;
+            if !spared {
+                task.abort();
+            }
+            spared
+        });
+        !tasks.is_empty()
     }
 
     fn close(&self) {

@@ -117,6 +117,58 @@ fn close_within_cancels_hung_handlers_nacks_their_messages_and_still_closes() {
     });
 }
 
+/// A handler that returned before the shutdown deadline, whose reply is
+/// still being published at it, is not cancelled: the reply goes out once
+/// and the message is acked (before, it was nacked and handled again, its
+/// reply sent twice). A publish that outlasts the grace too is cancelled,
+/// its message nacked.
+#[test]
+fn the_shutdown_deadline_lets_a_reply_being_published_finish_within_a_grace() {
+    for (publish_takes, finished) in [
+        (Duration::from_millis(300), true),
+        (Duration::from_secs(5), false),
+    ] {
+        run_local(async move {
+            let transport = Hooked::default().publishes_take(publish_takes);
+            let dispatcher = Rc::new(Dispatcher::builder().build(transport.clone()).unwrap());
+            let replying =
+                async |message: &Message| Ok::<_, Infallible>(message.payload().to_vec());
+            dispatcher
+                .subscribe("jobs", replying, options(1).reply_topic("replies"))
+                .await
+                .unwrap();
+            let run = spawn_run(&dispatcher);
+            let id = transport.inner.send("jobs", "1");
+            settle_down().await;
+            let closing = tokio::time::Instant::now();
+            let cancelled = dispatcher.close_within(Duration::from_millis(100)).await;
+            let took = closing.elapsed();
+            let result = run.await.unwrap();
+            let replies = transport
+                .inner
+                .published("persistent://public/default/replies");
+            if finished {
+                assert_eq!(cancelled, 0, "{result:?}");
+                assert!(result.is_ok(), "{result:?}");
+                assert_eq!(transport.inner.acked("jobs"), [id]);
+                assert_eq!(replies.len(), 1);
+            } else {
+                assert_eq!(cancelled, 1);
+                assert!(
+                    matches!(result, Err(Error::HandlersCancelled { cancelled: 1 })),
+                    "{result:?}"
+                );
+                assert_eq!(transport.inner.nacked("jobs"), [id]);
+                assert!(replies.is_empty());
+                assert!(
+                    took < Duration::from_secs(3),
+                    "the grace bounds the wait: {took:?}"
+                );
+            }
+        });
+    }
+}
+
 #[test]
 fn the_builders_shutdown_timeout_applies_to_every_close() {
     run_local(async {

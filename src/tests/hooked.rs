@@ -1,8 +1,9 @@
 //! The in-memory transport with hooks for what it cannot do itself: acks
 //! that panic (a bug in the dispatcher's own path after a handler),
 //! consumer closes that take a while, a part of the consumer (a
-//! partition) that has stopped delivering, and producers whose creation
-//! is answered late; it logs the closes, in order.
+//! partition) that has stopped delivering, producers whose creation is
+//! answered late, and publishes that take a while; it logs the closes, in
+//! order.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -11,7 +12,9 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::transport::{Consumer, ConsumerSpec, MemoryTransport, Transport};
+use crate::transport::{
+    Consumer, ConsumerSpec, MemoryTransport, OutgoingMessage, Producer, Transport,
+};
 use crate::{full_topic_name, Message, MessageId, TransportError};
 
 #[derive(Clone, Default)]
@@ -23,6 +26,7 @@ pub(super) struct Hooked {
     /// "consumer <topic> closed" and "transport closed", as they happen.
     pub(super) closes: Rc<RefCell<Vec<String>>>,
     held_producers: Rc<HeldProducers>,
+    publish_takes: Rc<Cell<Duration>>,
 }
 
 /// Producer creations answered late: made on the broker, then held until
@@ -57,6 +61,11 @@ impl Hooked {
         self
     }
 
+    pub(super) fn publishes_take(self, time: Duration) -> Self {
+        self.publish_takes.set(time);
+        self
+    }
+
     /// How many producer creations are held now.
     pub(super) fn producers_held(&self) -> usize {
         self.held_producers.waiting.get()
@@ -81,7 +90,7 @@ pub(super) struct HookedConsumer {
 
 impl Transport for Hooked {
     type Consumer = HookedConsumer;
-    type Producer = <MemoryTransport as Transport>::Producer;
+    type Producer = HookedProducer;
 
     async fn subscribe(&self, spec: &ConsumerSpec) -> Result<HookedConsumer, TransportError> {
         Ok(HookedConsumer {
@@ -101,7 +110,10 @@ impl Transport for Hooked {
             }
             held.waiting.set(held.waiting.get() - 1);
         }
-        Ok(producer)
+        Ok(HookedProducer {
+            inner: producer,
+            hooks: self.clone(),
+        })
     }
 
     async fn close(&self) -> Result<(), TransportError> {
@@ -139,5 +151,21 @@ impl Consumer for HookedConsumer {
         let closed = format!("consumer {} closed", self.topic);
         self.hooks.closes.borrow_mut().push(closed);
         Consumer::close(&mut self.inner).await
+    }
+}
+
+pub(super) struct HookedProducer {
+    inner: <MemoryTransport as Transport>::Producer,
+    hooks: Hooked,
+}
+
+impl Producer for HookedProducer {
+    async fn send(&self, message: OutgoingMessage) -> Result<(), TransportError> {
+        tokio::time::sleep(self.hooks.publish_takes.get()).await;
+        self.inner.send(message).await
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        self.inner.close().await
     }
 }
