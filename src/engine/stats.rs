@@ -98,7 +98,11 @@ counters! {
         /// original is nacked instead (logged at most once every 10 s, with
         /// the count held back).
         publishes_failed => "pulsar_dispatcher_publishes_failed_total",
-        /// Acknowledgements handed to the transport.
+        /// Acknowledgements handed to the transport. A member of a producer
+        /// batch counts when its own ack is handed over; the Pulsar
+        /// transport sends the batch's ack once every member is settled,
+        /// and a batch left partly settled by a close is delivered again
+        /// whole.
         acked => "pulsar_dispatcher_messages_acked_total",
         /// Negative acknowledgements handed to the transport (held ones once
         /// their delay has passed).
@@ -118,9 +122,10 @@ counters! {
         /// idle after a nack, in case the broker lost part of the nack's own
         /// rewind (one per partition).
         rewinds_repeated => "pulsar_dispatcher_rewinds_repeated_total",
-        /// Second copies of messages still being handled, which a rewind on
-        /// an Exclusive or Failover subscription delivered again: dropped,
-        /// since the copy being handled settles the message.
+        /// Second copies of messages still being handled, which the broker
+        /// delivered again (after a reconnection, on any subscription type;
+        /// after a nack's rewind on Exclusive and Failover): dropped, since
+        /// the copy being handled settles the message.
         dropped_in_flight => "pulsar_dispatcher_messages_dropped_in_flight_total",
     }
 }
