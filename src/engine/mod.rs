@@ -69,7 +69,7 @@ use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{Outcome, SubscriptionInfo, Verdict};
 use crate::routing::{Action, DeadLetterTargets, Publish, PublishKind, RetryTopicCheck, Router};
-use crate::scheduler::{HeldPermit, Permit, Rejected, Scheduler, SchedulingPolicy};
+use crate::scheduler::{HeldPermit, Permit, Pick, Rejected, Scheduler, SchedulingPolicy};
 use crate::transport::Transport;
 
 /// Where a dispatcher is in its life.
@@ -165,22 +165,30 @@ pub(crate) trait Pool<T: Transport> {
 pub(crate) struct Handler<T: Transport> {
     value: Rc<dyn Any>,
     pool: Rc<dyn Pool<T>>,
+    /// The pool's address, kept at hand: it is compared on every dispatch.
+    pool_id: *const (),
 }
 
 impl<T: Transport> Clone for Handler<T> {
     fn clone(&self) -> Self {
-        Handler {
-            value: self.value.clone(),
-            pool: self.pool.clone(),
-        }
+        Handler::new(self.value.clone(), self.pool.clone())
     }
 }
 
 impl<T: Transport> Handler<T> {
+    pub(crate) fn new(value: Rc<dyn Any>, pool: Rc<dyn Pool<T>>) -> Self {
+        let pool_id = Rc::as_ptr(&pool) as *const ();
+        Handler {
+            value,
+            pool,
+            pool_id,
+        }
+    }
+
     /// Identifies the pool, to tell whether a message is for the worker
     /// that picked it.
     pub(crate) fn pool_id(&self) -> *const () {
-        Rc::as_ptr(&self.pool) as *const ()
+        self.pool_id
     }
 }
 
@@ -215,6 +223,10 @@ pub(crate) struct Engine<T: Transport> {
     woken_buffer: RefCell<Vec<usize>>,
     /// Empty message boxes.
     spares: RefCell<Vec<MessageBox>>,
+    /// The empty box to reuse first, outside `spares`: a job's end leaves
+    /// its box here and the refill that follows its dispatch takes it back,
+    /// without borrowing the list.
+    last_spare: Cell<Option<MessageBox>>,
     /// Jobs handed to a worker that has not started them yet.
     handovers: Cell<usize>,
     /// The best priority handed over since their count was last zero: as
@@ -325,6 +337,7 @@ impl<T: Transport> Engine<T> {
             woken: Arc::default(),
             woken_buffer: RefCell::default(),
             spares: RefCell::default(),
+            last_spare: Cell::new(None),
             handovers: Cell::new(0),
             best_handed_over: Cell::new(i64::MAX),
             next_serial: Cell::new(0),
@@ -393,8 +406,23 @@ impl<T: Transport> Engine<T> {
             self.refill_woken();
         }
         loop {
-            let picked = self.scheduler.borrow_mut().try_dispatch();
-            let Some((permit, delivery)) = picked else {
+            // A one-message slot is refilled within the pick (see
+            // `receive_next`); what the receive needs done besides (a
+            // retry to time, a failure) waits until the scheduler is free.
+            let mut not_stored = None;
+            let picked = self
+                .scheduler
+                .borrow_mut()
+                .try_dispatch_refilling(|delivery| {
+                    self.receive_next(&delivery.subscription, &mut not_stored)
+                });
+            let Some(Pick {
+                permit,
+                message: delivery,
+                refill_called,
+                permits_left,
+            }) = picked
+            else {
                 break;
             };
             let Delivery {
@@ -402,7 +430,11 @@ impl<T: Transport> Engine<T> {
                 message,
             } = delivery;
             bump(&subscription.counters.dispatched);
-            self.refill(&subscription);
+            if !refill_called {
+                self.refill(&subscription);
+            } else if let Some(received) = not_stored {
+                self.after_receive(&subscription, received);
+            }
             let mut job = Job::new(self.clone(), subscription, message, permit);
             if job.pool() != keep {
                 job.hand_over();
@@ -412,6 +444,10 @@ impl<T: Transport> Engine<T> {
                 // Picked and not started, as a handed-over job is.
                 job.wait_in_queue();
                 queue.push_back(job);
+            }
+            // Nothing between two picks returns a permit.
+            if !permits_left {
+                break;
             }
         }
     }
@@ -483,13 +519,50 @@ impl<T: Transport> Engine<T> {
                 }
                 continue;
             }
-            self.spares.borrow_mut().push(spare);
-            match received {
-                Received::RetryLater => self.watch_timers(subscription),
-                Received::Failed(failure) => self.fail(failure),
-                Received::Stored | Received::Nothing => {}
-            }
+            self.keep_spare(spare);
+            self.after_receive(subscription, received);
             return;
+        }
+    }
+
+    /// The next message for the one-message slot of `subscription`, whose
+    /// message was just picked, while the dispatcher still receives: the
+    /// refill of [`refill`](Self::refill) without the scheduler, which the
+    /// caller holds (the slot is empty and the scheduler open, so it takes
+    /// the message). What else the receive gave goes to `not_stored`, for
+    /// [`after_receive`](Self::after_receive) once the scheduler is free.
+    #[inline(always)]
+    fn receive_next(
+        &self,
+        subscription: &Rc<Subscription<T>>,
+        not_stored: &mut Option<Received>,
+    ) -> Option<Delivery<T>> {
+        if self.phase() != Phase::Running || !subscription.is_receiving() {
+            return None;
+        }
+        let mut spare = self.spare();
+        match subscription.receive(&mut spare) {
+            Received::Stored => {
+                spare.0.since = self.timings.then(Instant::now);
+                Some(Delivery {
+                    subscription: subscription.clone(),
+                    message: spare,
+                })
+            }
+            received => {
+                self.keep_spare(spare);
+                *not_stored = Some(received);
+                None
+            }
+        }
+    }
+
+    /// What a receive that stored nothing calls for.
+    fn after_receive(&self, subscription: &Rc<Subscription<T>>, received: Received) {
+        match received {
+            Received::RetryLater => self.watch_timers(subscription),
+            Received::Failed(failure) => self.fail(failure),
+            Received::Stored | Received::Nothing => {}
         }
     }
 
@@ -520,18 +593,38 @@ impl<T: Transport> Engine<T> {
 
     /// An empty box for the next message: a spare, or a new one while
     /// fewer than the messages ever held at once exist.
+    #[inline(always)]
     fn spare(&self) -> MessageBox {
-        self.spares
-            .borrow_mut()
-            .pop()
-            .unwrap_or_else(MessageBox::empty)
+        self.last_spare.take().unwrap_or_else(|| {
+            self.spares
+                .borrow_mut()
+                .pop()
+                .unwrap_or_else(MessageBox::empty)
+        })
+    }
+
+    /// Keeps an empty box for the next message.
+    #[inline(always)]
+    fn keep_spare(&self, spare: MessageBox) {
+        if let Some(older) = self.last_spare.replace(Some(spare)) {
+            self.spares.borrow_mut().push(older);
+        }
     }
 
     /// Takes an emptied message box back for the next message.
     #[inline(always)]
     pub(crate) fn recycle(&self, mut message: MessageBox) {
         message.0.message = None;
-        self.spares.borrow_mut().push(message);
+        self.keep_spare(message);
+    }
+
+    /// How many empty boxes are kept.
+    #[cfg(test)]
+    fn spare_count(&self) -> usize {
+        let last = self.last_spare.take();
+        let count = usize::from(last.is_some()) + self.spares.borrow().len();
+        self.last_spare.set(last);
+        count
     }
 
     /// Gives the runtime a turn, keeping meanwhile the permit the caller's
@@ -670,7 +763,7 @@ mod tests {
             assert!(!engine.offer(&subscription, message));
             assert_eq!(transport.nacked("jobs"), [id], "at once, not after 60 s");
             assert!(engine.scheduler.borrow().has_vacancy(subscription.key));
-            assert_eq!(engine.spares.borrow().len(), 1, "its box is reused");
+            assert_eq!(engine.spare_count(), 1, "its box is reused");
         });
     }
 }

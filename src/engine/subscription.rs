@@ -263,18 +263,17 @@ impl<T: Transport> Subscription<T> {
 
     /// Polls the consumer once, with the subscription's own waker, unless a
     /// failed receive is waiting to be retried. A message goes straight
-    /// into `into`, where it stays until it is settled.
+    /// into `into`, where it stays until it is settled. Inline (a message
+    /// is received on every dispatch); the failure state and every outcome
+    /// but a message are handled out of line.
+    #[inline(always)]
     pub(crate) fn receive(&self, into: &mut MessageBox) -> Received {
         // One look at the failure state, kept for after the poll: nothing
         // between here and there changes it.
         let failing = self.failing.get();
         if failing {
-            if let Some(failure) = self.failing_too_long(Instant::now()) {
-                return Received::Failed(failure);
-            }
-            let retry_at = self.failures.borrow().retry_at;
-            if retry_at.is_some_and(|retry_at| Instant::now() < retry_at) {
-                return Received::Nothing;
+            if let Some(early) = self.wait_before_retry() {
+                return early;
             }
         }
         let mut cx = Context::from_waker(&self.waker);
@@ -283,16 +282,46 @@ impl<T: Transport> Subscription<T> {
             None => Poll::Ready(None),
         };
         match polled {
-            Poll::Pending => Received::Nothing,
             Poll::Ready(Some(Ok(()))) => {
                 bump(&self.counters.received);
-                // A message from one partition says nothing of another
-                // that is being subscribed again.
-                if failing && self.consumer_failing_since().is_none() {
-                    self.recovered();
+                if failing {
+                    self.received_while_failing();
                 }
                 Received::Stored
             }
+            other => self.nothing_received(other),
+        }
+    }
+
+    /// While receives fail: the failure to stop with, or `Nothing` until
+    /// the retry is due; `None` to poll the consumer now.
+    #[inline(never)]
+    fn wait_before_retry(&self) -> Option<Received> {
+        if let Some(failure) = self.failing_too_long(Instant::now()) {
+            return Some(Received::Failed(failure));
+        }
+        let retry_at = self.failures.borrow().retry_at;
+        if retry_at.is_some_and(|retry_at| Instant::now() < retry_at) {
+            return Some(Received::Nothing);
+        }
+        None
+    }
+
+    /// A message arrived while receives were failing: a message from one
+    /// partition says nothing of another that is being subscribed again.
+    #[inline(never)]
+    fn received_while_failing(&self) {
+        if self.consumer_failing_since().is_none() {
+            self.recovered();
+        }
+    }
+
+    /// What a poll that gave no message means.
+    #[inline(never)]
+    fn nothing_received(&self, polled: Poll<Option<Result<(), TransportError>>>) -> Received {
+        match polled {
+            Poll::Pending => Received::Nothing,
+            Poll::Ready(Some(Ok(()))) => unreachable!("a message is received inline"),
             Poll::Ready(Some(Err(error))) => {
                 bump(&self.counters.receive_errors);
                 self.receive_failed(error)
@@ -399,6 +428,12 @@ impl<T: Transport> Subscription<T> {
             .unwrap_or_else(far_future);
         self.held.borrow_mut().push_back((due, id.clone()));
         true
+    }
+
+    /// Acks a message: [`settle`](Self::settle) with [`Verdict::Ack`].
+    #[inline(always)]
+    pub(crate) fn ack(&self, id: &MessageId) {
+        self.send(Verdict::Ack, id);
     }
 
     /// Nacks a message without the delay.

@@ -29,6 +29,7 @@ use futures::FutureExt;
 use tokio::time::Instant;
 use tracing::{warn, Instrument};
 
+use super::stats::bump;
 use super::subscription::Subscription;
 use super::{Engine, Handler, MessageBox, Pool};
 use crate::error::Error;
@@ -86,10 +87,7 @@ where
 
     /// `handler`, to be run by the workers of `pool` (a pool of this type).
     pub(crate) fn handler(pool: Rc<dyn Pool<T>>, handler: F) -> Handler<T> {
-        Handler {
-            value: Rc::new(handler),
-            pool,
-        }
+        Handler::new(Rc::new(handler), pool)
     }
 
     fn id(&self) -> *const () {
@@ -535,9 +533,17 @@ impl<T: Transport> Job<T> {
     }
 
     /// Routes the outcome and, when that takes no publish, settles the
-    /// message; otherwise returns what to publish first.
+    /// message; otherwise returns what to publish first. A success without
+    /// a reply, the common outcome, is counted and acked here at once, as
+    /// routing would decide, without building its decision.
     #[inline(always)]
     fn conclude(&mut self, outcome: Outcome) -> Option<Box<Publish>> {
+        if let Outcome::Succeeded(None) = outcome {
+            bump(&self.subscription.counters.succeeded);
+            self.subscription.ack(self.message().id());
+            self.finished = true;
+            return None;
+        }
         match self
             .engine
             .route(&self.subscription, self.message(), outcome)

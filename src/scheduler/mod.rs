@@ -36,6 +36,7 @@ mod policy;
 
 use std::collections::VecDeque;
 use std::num::NonZeroUsize;
+use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 use slab::Slab;
@@ -122,6 +123,19 @@ impl Permit {
     pub fn priority(&self) -> i64 {
         self.priority
     }
+}
+
+/// What [`Scheduler::try_dispatch_refilling`] picked.
+#[derive(Debug)]
+pub struct Pick<M> {
+    /// The message's permit.
+    pub permit: Permit,
+    /// The message.
+    pub message: M,
+    /// Whether the refill was called (it is for a one-message slot).
+    pub refill_called: bool,
+    /// Whether a permit is still free after this pick.
+    pub permits_left: bool,
 }
 
 /// A permit taken without a message, by a worker that steps aside for a
@@ -389,7 +403,14 @@ impl<M> Scheduler<M> {
             return None;
         }
         let level = self.choose_level()?;
-        let key = self.pop_ready(level);
+        self.dispatch_at(level)
+    }
+
+    /// Takes a permit and the next message of the subscription at the
+    /// front of `level`'s ready queue (a permit is free for that level).
+    #[inline(always)]
+    fn dispatch_at(&mut self, level: usize) -> Option<(Permit, M)> {
+        let key = self.pop_ready_inline(level);
         let subscription = &mut self.subscriptions[key.0];
         let waiting = subscription
             .held
@@ -398,10 +419,7 @@ impl<M> Scheduler<M> {
         subscription.in_flight += 1;
         self.available -= 1;
         self.waiting -= 1;
-        if matches!(self.policy, SchedulingPolicy::Weighted(_)) {
-            let level = &mut self.levels[level];
-            level.deficit = level.deficit.saturating_sub(1);
-        }
+        self.charge_turn(level);
         self.requeue(key);
         let permit = Permit {
             subscription: key,
@@ -409,6 +427,119 @@ impl<M> Scheduler<M> {
             priority: self.levels[level].priority,
         };
         Some((permit, waiting.message))
+    }
+
+    /// Like [`try_dispatch`](Self::try_dispatch), and refills a one-message
+    /// slot in the same step: `refill` is called with the message picked
+    /// from a slot and returns the slot's next message, if there is one
+    /// (the scheduler still accepting messages). The flag returned tells
+    /// whether `refill` was called; it is not for a key-ordered
+    /// subscription, whose buffer the caller refills as after
+    /// `try_dispatch`. A pick also tells whether a permit is left, so that
+    /// a caller picking until none is need not ask again.
+    ///
+    /// A slot refilled here keeps its subscription in its level's ready
+    /// queue: moved to the back when others wait there (as a pop and a
+    /// push would), left where it is when it is the only one, so that the
+    /// common case touches neither the queue nor the ready bits. `refill`
+    /// runs while the subscription is still at the front of the queue with
+    /// an empty slot; it cannot reach the scheduler (the caller holds it).
+    #[inline(always)]
+    pub fn try_dispatch_refilling(
+        &mut self,
+        refill: impl FnOnce(&M) -> Option<M>,
+    ) -> Option<Pick<M>> {
+        if self.available == 0 {
+            return None;
+        }
+        let level = self.choose_level()?;
+        let Level {
+            ready, priority, ..
+        } = &self.levels[level];
+        let key = *ready.front().expect("ready bit set for an empty level");
+        let priority = *priority;
+        let closed = self.closed;
+        let subscription = &mut self.subscriptions[key.0];
+        let Held::Slot(slot) = &mut subscription.held else {
+            let (permit, message) = self.dispatch_at(level)?;
+            return Some(self.pick(permit, message, false));
+        };
+        let waiting = slot
+            .take()
+            .expect("a ready subscription holds a message that may run");
+        subscription.in_flight += 1;
+        self.available -= 1;
+        self.charge_turn(level);
+        let permit = Permit {
+            subscription: key,
+            key: None,
+            priority,
+        };
+        if closed {
+            self.waiting -= 1;
+            self.after_pick_at_front(level, key);
+            return Some(self.pick(permit, waiting.message, false));
+        }
+        // A refill that panics (a transport's bug) must not leave the
+        // subscription at the front of its queue with an empty slot, which
+        // every later pick would trip on: the queue is put right first, and
+        // the pick is lost as before.
+        let refilled = std::panic::catch_unwind(AssertUnwindSafe(|| refill(&waiting.message)))
+            .unwrap_or_else(|panic| {
+                self.waiting -= 1;
+                self.after_pick_at_front(level, key);
+                std::panic::resume_unwind(panic)
+            });
+        match refilled {
+            Some(message) => {
+                let since = matches!(self.policy, SchedulingPolicy::Aging(_)).then(|| self.now());
+                let Held::Slot(slot) = &mut self.subscriptions[key.0].held else {
+                    unreachable!("a slot, as checked above; `refill` cannot reach it");
+                };
+                *slot = Some(Waiting {
+                    message,
+                    key: None,
+                    since,
+                });
+            }
+            None => self.waiting -= 1,
+        }
+        self.after_pick_at_front(level, key);
+        Some(self.pick(permit, waiting.message, true))
+    }
+
+    #[inline(always)]
+    fn pick(&self, permit: Permit, message: M, refill_called: bool) -> Pick<M> {
+        Pick {
+            permit,
+            message,
+            refill_called,
+            permits_left: self.available > 0,
+        }
+    }
+
+    /// After a pick from the subscription at the front of `level`'s ready
+    /// queue: to the back of the queue if it is still ready (where a pop
+    /// and a push would put it), out of it otherwise.
+    #[inline(always)]
+    fn after_pick_at_front(&mut self, level: usize, key: SubscriptionKey) {
+        if self.subscriptions[key.0].is_ready() {
+            let ready = &mut self.levels[level].ready;
+            if ready.len() > 1 {
+                ready.rotate_left(1);
+            }
+        } else {
+            self.pop_ready(level);
+        }
+    }
+
+    /// A pick at `level` costs its turn one dispatch (weighted policy).
+    #[inline(always)]
+    fn charge_turn(&mut self, level: usize) {
+        if matches!(self.policy, SchedulingPolicy::Weighted(_)) {
+            let level = &mut self.levels[level];
+            level.deficit = level.deficit.saturating_sub(1);
+        }
     }
 
     /// Takes any waiting message without a permit (to give it back when the
@@ -593,7 +724,11 @@ impl<M> Scheduler<M> {
         self.clear_bit_if_idle(level);
     }
 
-    fn pop_ready(&mut self, level: usize) -> SubscriptionKey {
+    /// [`pop_ready`](Self::pop_ready) inlined by force, for the pick of a
+    /// key buffer, which pops every time (a slot refilled in its pick does
+    /// not pop, and takes the call).
+    #[inline(always)]
+    fn pop_ready_inline(&mut self, level: usize) -> SubscriptionKey {
         let key = self.levels[level]
             .ready
             .pop_front()
@@ -601,6 +736,13 @@ impl<M> Scheduler<M> {
         self.subscriptions[key.0].queued = false;
         self.clear_bit_if_idle(level);
         key
+    }
+
+    /// Out of line: a slot that its pick emptied for good is the rare case,
+    /// kept off the common path's code.
+    #[inline(never)]
+    fn pop_ready(&mut self, level: usize) -> SubscriptionKey {
+        self.pop_ready_inline(level)
     }
 
     fn level_is_ready(&self, level: usize) -> bool {

@@ -464,3 +464,157 @@ fn a_held_permit_is_no_one_elses_until_given_back() {
     s.release(permit);
     assert!(s.is_idle());
 }
+
+/// Picks with [`Scheduler::try_dispatch_refilling`], refilling each slot
+/// with the next name from `next` (if any), and keeps the permit.
+fn dispatch_refilling(
+    s: &mut Scheduler<&'static str>,
+    permits: &mut Vec<Permit>,
+    next: &mut Vec<&'static str>,
+) -> Option<(&'static str, bool, bool)> {
+    let pick = s.try_dispatch_refilling(|_| next.pop())?;
+    permits.push(pick.permit);
+    Some((pick.message, pick.refill_called, pick.permits_left))
+}
+
+#[test]
+fn a_slot_refilled_within_the_pick_takes_its_turn_after_the_others() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let a = s.add_subscription(1);
+    let b = s.add_subscription(1);
+    s.try_insert(a, "a1").unwrap();
+    s.try_insert(b, "b1").unwrap();
+    // Refills are popped from the back: a gets a2, then b gets b2.
+    let mut next = vec!["b2", "a2"];
+    let order: Vec<_> = std::iter::from_fn(|| dispatch_refilling(&mut s, &mut permits, &mut next))
+        .map(|(message, refill_called, _)| {
+            assert!(refill_called, "a slot is refilled within the pick");
+            message
+        })
+        .collect();
+    assert_eq!(order, ["a1", "b1", "a2", "b2"]);
+    assert_eq!(s.waiting(), 0);
+    assert_eq!(s.in_flight(), 4);
+}
+
+#[test]
+fn a_lone_refilled_slot_stays_ready_until_the_permits_run_out() {
+    let mut s = scheduler(3);
+    let mut permits = Vec::new();
+    let only = s.add_subscription(0);
+    s.try_insert(only, "1").unwrap();
+    let mut next = vec!["4", "3", "2"];
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("1", true, true))
+    );
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("2", true, true))
+    );
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("3", true, false)),
+        "the last permit is taken"
+    );
+    assert_eq!(dispatch_refilling(&mut s, &mut permits, &mut next), None);
+    assert_eq!(s.load(only), (1, 3), "4 waits in the slot");
+    release_first(&mut s, &mut permits);
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("4", true, false))
+    );
+    assert_eq!(s.load(only), (0, 3));
+    release_first(&mut s, &mut permits);
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        None,
+        "an empty slot left the ready queue"
+    );
+}
+
+#[test]
+fn a_slot_at_its_in_flight_limit_leaves_the_ready_queue_though_refilled() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let limited = s.add(SubscriptionConfig {
+        max_in_flight: NonZeroUsize::new(1),
+        ..SubscriptionConfig::new(0)
+    });
+    let other = s.add_subscription(5);
+    s.try_insert(limited, "l1").unwrap();
+    s.try_insert(other, "o1").unwrap();
+    let mut next = vec!["o2", "l2"];
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("l1", true, true))
+    );
+    assert_eq!(s.load(limited), (1, 1), "refilled, and at its limit");
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("o1", true, true)),
+        "the limited subscription waits"
+    );
+    release_first(&mut s, &mut permits);
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("l2", true, true)),
+        "ready again once its message is released"
+    );
+}
+
+#[test]
+fn a_closed_scheduler_does_not_refill_and_key_buffers_are_left_to_the_caller() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let keyed = s.add(SubscriptionConfig {
+        ordering: Ordering::Key,
+        key_buffer: 2,
+        ..SubscriptionConfig::new(0)
+    });
+    let slot = s.add_subscription(1);
+    s.try_insert_keyed(keyed, "k1", Some(1)).unwrap();
+    s.try_insert(slot, "s1").unwrap();
+    let mut next = vec!["never"];
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("k1", false, true)),
+        "a key buffer is not refilled here"
+    );
+    s.close();
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("s1", false, true)),
+        "nothing is refilled once closed"
+    );
+    assert_eq!(next, ["never"]);
+    assert_eq!(s.waiting(), 0);
+    assert_eq!(dispatch_refilling(&mut s, &mut permits, &mut next), None);
+}
+
+#[test]
+fn a_refill_that_panics_leaves_the_queue_sound() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let a = s.add_subscription(1);
+    let b = s.add_subscription(1);
+    s.try_insert(a, "a1").unwrap();
+    s.try_insert(b, "b1").unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        s.try_dispatch_refilling(|_| panic!("a broken transport"))
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(s.load(a), (0, 1), "a1 is lost with its pick, as its permit");
+    let mut next = vec![];
+    assert_eq!(
+        dispatch_refilling(&mut s, &mut permits, &mut next),
+        Some(("b1", true, true)),
+        "the emptied slot left the ready queue"
+    );
+    assert_eq!(dispatch_refilling(&mut s, &mut permits, &mut next), None);
+    assert!(
+        s.try_insert(a, "a2").is_ok(),
+        "its slot takes the next message"
+    );
+}
