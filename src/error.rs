@@ -243,3 +243,41 @@ pub enum Error {
     #[error("closing the broker connection failed")]
     Close(#[source] TransportError),
 }
+
+/// An error and its `source()` chain for logs: `outer: inner: root`. The
+/// usual error types (thiserror's `#[source]`, anyhow's context) leave the
+/// cause out of their own `Display`, and a log line without it says what
+/// failed but not why.
+pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("warehouse busy")]
+    struct Busy(#[source] std::io::Error);
+
+    #[test]
+    fn a_chain_shows_every_cause() {
+        let busy = Busy(std::io::Error::other("connection refused by wms-3"));
+        assert_eq!(
+            ErrorChain(&busy).to_string(),
+            "warehouse busy: connection refused by wms-3"
+        );
+        let refused = TransportError::Closed;
+        assert_eq!(ErrorChain(&refused).to_string(), "the transport is closed");
+    }
+}

@@ -105,6 +105,7 @@ impl PriorityLevel for NoSublevels {
 /// assert_eq!(topics[5].priority, 250);
 /// ```
 #[derive(Clone, Debug)]
+#[must_use]
 pub struct TopicFamily<L: PriorityLevel, S: PriorityLevel = NoSublevels> {
     prefix: String,
     retry_sublevel: Option<S>,

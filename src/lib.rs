@@ -110,6 +110,9 @@ mod options;
 mod outcome;
 pub mod per_core;
 pub mod routing;
+// Public for the benchmarks, which drive the scheduler alone; not part of
+// the API (its policy types are re-exported below).
+#[doc(hidden)]
 pub mod scheduler;
 mod topic;
 pub mod transport;

@@ -53,6 +53,7 @@ pub const DEFAULT_RECEIVE_FAILURE_LIMIT: Duration = Duration::from_secs(60);
 ///     .subscription_type(SubType::Shared)
 ///     .negative_ack_redelivery_delay(Duration::from_secs(5));
 /// ```
+#[must_use]
 #[derive(Clone, Debug)]
 pub struct SubscribeOptions {
     priority: i64,
@@ -117,7 +118,6 @@ impl SubscribeOptions {
 
     /// Scheduling priority; lower values are dispatched first. Any integer;
     /// gaps are fine and subscriptions may share a value.
-    #[must_use]
     pub fn priority(mut self, priority: i64) -> Self {
         self.priority = priority;
         self
@@ -126,7 +126,6 @@ impl SubscribeOptions {
     /// The subscription name. Without one, the transport makes up a random
     /// one for this subscribe call, which suits only throwaway
     /// subscriptions.
-    #[must_use]
     pub fn subscription(mut self, name: impl Into<String>) -> Self {
         self.subscription = Some(name.into());
         self
@@ -134,7 +133,6 @@ impl SubscribeOptions {
 
     /// The subscription type (Exclusive by default, as in Pulsar's clients).
     /// Delayed delivery, and so delayed retries, needs Shared or Key_Shared.
-    #[must_use]
     pub fn subscription_type(mut self, subscription_type: SubType) -> Self {
         self.subscription_type = subscription_type;
         self
@@ -143,7 +141,6 @@ impl SubscribeOptions {
     /// How many messages the consumer may prefetch from the broker
     /// (its flow permits). The default of 1 keeps the backlog on the broker;
     /// larger values trade client-side buffering for throughput.
-    #[must_use]
     pub fn receiver_queue_size(mut self, size: u32) -> Self {
         self.receiver_queue_size = size;
         self
@@ -151,14 +148,12 @@ impl SubscribeOptions {
 
     /// How long a message whose handler failed waits before it is nacked,
     /// and so redelivered. Zero nacks at once.
-    #[must_use]
     pub fn negative_ack_redelivery_delay(mut self, delay: Duration) -> Self {
         self.negative_ack_redelivery_delay = delay;
         self
     }
 
     /// The consumer name the broker shows in its stats.
-    #[must_use]
     pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
         self.consumer_name = Some(name.into());
         self
@@ -167,7 +162,6 @@ impl SubscribeOptions {
     /// The `pulsar` crate's consumer options (initial position, durability,
     /// metadata, read_compacted, priority level, ...). Their
     /// `receiver_queue_size` is replaced by [`receiver_queue_size`](Self::receiver_queue_size).
-    #[must_use]
     pub fn consumer_options(mut self, options: ConsumerOptions) -> Self {
         self.consumer_options = options;
         self
@@ -180,7 +174,6 @@ impl SubscribeOptions {
     /// `dead_letter_topic` means Pulsar's default,
     /// `<topic>-<subscription>-DLQ`, and needs a
     /// [`subscription`](Self::subscription) name.
-    #[must_use]
     pub fn dead_letter_policy(mut self, policy: DeadLetterPolicy) -> Self {
         self.dead_letter_policy = Some(policy);
         self
@@ -188,7 +181,6 @@ impl SubscribeOptions {
 
     /// Redeliver messages left unacknowledged for this long (the `pulsar`
     /// crate's ack timeout). Off by default.
-    #[must_use]
     pub fn unacked_message_resend_delay(mut self, delay: Duration) -> Self {
         self.unacked_message_resend_delay = Some(delay);
         self
@@ -200,7 +192,6 @@ impl SubscribeOptions {
     /// `<topic>-<subscription>-DLQ`) or a
     /// [`dead_letter_policy`](Self::dead_letter_policy). When an error is
     /// both fatal and retryable, fatal wins.
-    #[must_use]
     pub fn fatal_errors(mut self, class: ErrorClass) -> Self {
         self.fatal_errors = Some(class);
         self
@@ -208,7 +199,6 @@ impl SubscribeOptions {
 
     /// Errors that republish the message to the
     /// [`retry_topic`](Self::retry_topic) with a delay; the two go together.
-    #[must_use]
     pub fn retry_errors(mut self, class: ErrorClass) -> Self {
         self.retry_errors = Some(class);
         self
@@ -217,7 +207,6 @@ impl SubscribeOptions {
     /// The topic delayed retries are published to. The dispatcher does not
     /// consume it for you: subscribe to it too, with a Shared or Key_Shared
     /// subscription so that the delays are honoured.
-    #[must_use]
     pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
         self.retry_topic = Some(topic.into());
         self
@@ -226,7 +215,6 @@ impl SubscribeOptions {
     /// The delay before retry number `n` (starting at 1); by default
     /// [`default_backoff`]. See also
     /// [`exponential_backoff`](crate::exponential_backoff).
-    #[must_use]
     pub fn retry_backoff(mut self, backoff: impl Fn(u32) -> Duration + 'static) -> Self {
         self.retry_backoff = Some(Backoff::new(backoff));
         self
@@ -235,7 +223,6 @@ impl SubscribeOptions {
     /// Dead-letter a message that fails again after this many retries
     /// (at least 1), keeping its RECONSUMETIMES. Needs a retry topic and a
     /// dead letter topic.
-    #[must_use]
     pub fn max_retries(mut self, retries: u32) -> Self {
         self.max_retries = Some(retries);
         self
@@ -243,7 +230,6 @@ impl SubscribeOptions {
 
     /// Publish what the handler returns (bytes) to this topic before the
     /// message is acked. A handler that returns nothing publishes nothing.
-    #[must_use]
     pub fn reply_topic(mut self, topic: impl Into<String>) -> Self {
         self.reply_topic = Some(topic.into());
         self
@@ -254,7 +240,6 @@ impl SubscribeOptions {
     /// treated as a retryable failure (republished to the retry topic when
     /// there is one, nacked otherwise), its permit is freed, and a warning
     /// names the topic, the message id and the deadline. Off by default.
-    #[must_use]
     pub fn processing_timeout(mut self, limit: Duration) -> Self {
         self.processing_timeout = Some(limit);
         self
@@ -264,7 +249,6 @@ impl SubscribeOptions {
     /// 1; by default only the dispatcher's concurrency limit applies). A
     /// subscription at its limit is passed over, without holding up others,
     /// until one of its handlers returns; the global limit still applies.
-    #[must_use]
     pub fn max_in_flight(mut self, limit: usize) -> Self {
         self.max_in_flight = Some(limit);
         self
@@ -272,7 +256,6 @@ impl SubscribeOptions {
 
     /// How this subscription's messages may overlap (unordered by default;
     /// see [`Ordering`]).
-    #[must_use]
     pub fn ordering(mut self, ordering: Ordering) -> Self {
         self.ordering = ordering;
         self
@@ -284,7 +267,6 @@ impl SubscribeOptions {
     /// whose key is busy waits in this buffer while other keys run; once it
     /// is full, no more messages are taken from the broker until a key is
     /// free, so a busy key never makes the dispatcher pull the backlog.
-    #[must_use]
     pub fn key_buffer(mut self, messages: usize) -> Self {
         self.key_buffer = Some(messages);
         self
@@ -296,7 +278,6 @@ impl SubscribeOptions {
     /// exclusively with "consumer busy", which the `pulsar` crate retries;
     /// past this limit, `subscribe` fails with
     /// [`Error::SubscribeTimeout`](crate::Error::SubscribeTimeout).
-    #[must_use]
     pub fn subscribe_timeout(mut self, limit: Duration) -> Self {
         self.subscribe_timeout = limit;
         self
@@ -307,7 +288,6 @@ impl SubscribeOptions {
     /// [`Error::ConsumerFailing`](crate::Error::ConsumerFailing) (60 s by
     /// default). Until then, receiving is retried with a growing delay
     /// (10 ms doubling to 5 s) and the errors are logged at most every 10 s.
-    #[must_use]
     pub fn receive_failure_limit(mut self, limit: Duration) -> Self {
         self.receive_failure_limit = limit;
         self
@@ -318,7 +298,6 @@ impl SubscribeOptions {
     /// subscribed at the next count, on the same subscription, and consumed
     /// like the others. A failed count or subscribe is logged and tried
     /// again at the next. A topic that is not partitioned is not counted.
-    #[must_use]
     pub fn partition_refresh_interval(mut self, every: Duration) -> Self {
         self.partition_refresh_interval = every;
         self

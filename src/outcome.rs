@@ -8,7 +8,10 @@
 use pulsar::SubType;
 
 /// The error type handlers' errors are converted to. Any `std::error::Error`
-/// converts, as do `String`, `&str` and `anyhow::Error`.
+/// converts, as do `String`, `&str` and `anyhow::Error`. A
+/// `Box<dyn Error + Send + Sync>` (tower's `BoxError`) does not convert by
+/// itself (the standard library has no such `From`): coerce it with
+/// `.map_err(|e| e as HandlerError)`.
 pub type HandlerError = Box<dyn std::error::Error + 'static>;
 
 /// What a handler may return on success: nothing, or reply bytes.
@@ -26,6 +29,12 @@ impl IntoReply for () {
 impl IntoReply for Vec<u8> {
     fn into_reply(self) -> Option<Vec<u8>> {
         Some(self)
+    }
+}
+
+impl IntoReply for String {
+    fn into_reply(self) -> Option<Vec<u8>> {
+        Some(self.into_bytes())
     }
 }
 

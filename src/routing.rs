@@ -24,7 +24,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::backoff::Backoff;
 use crate::classify::ErrorClass;
-use crate::error::{Error, RetryTopicProblem, TransportError};
+use crate::error::{Error, ErrorChain, RetryTopicProblem, TransportError};
 use crate::log_limit::LogLimit;
 use crate::message::Message;
 use crate::outcome::{panic_text, Outcome, SubscriptionInfo, Verdict};
@@ -50,6 +50,7 @@ pub const DEAD_LETTER_TOPIC: &str = "DEAD_LETTER_TOPIC";
 /// topic of one of its own subscriptions; otherwise the message goes to the
 /// dead letter topic of the subscription that received it, with a warning.
 #[derive(Clone, Debug, Default)]
+#[must_use]
 pub struct DeadLetterTargets {
     any: bool,
     allowed: HashSet<String>,
@@ -394,7 +395,10 @@ impl<T: Transport> Router<T> {
                 error!(%topic, message_id = %id, %panic, "handler panicked; nacking");
                 return Action::Settle(Verdict::Nack);
             }
-            Outcome::Failed(error) => (policy.classify(error.as_ref(), message), error),
+            Outcome::Failed(error) => (
+                policy.classify(error.as_ref(), message),
+                &ErrorChain(error.as_ref()),
+            ),
             // A handler that ran out of time failed in a way worth trying
             // again later, whatever its error would have been.
             Outcome::TimedOut(deadline) => (policy.retry_route(message), deadline),
@@ -445,10 +449,10 @@ impl<T: Transport> Router<T> {
             Err(error) => {
                 match self.publish_failures_log.admit(Instant::now()) {
                     Some(not_logged) => {
-                        error!(topic = %message.topic(), message_id = %message.id(), %destination, %error, not_logged, "publishing the {what} failed; nacking")
+                        error!(topic = %message.topic(), message_id = %message.id(), %destination, error = %ErrorChain(&error), not_logged, "publishing the {what} failed; nacking")
                     }
                     None => {
-                        debug!(topic = %message.topic(), message_id = %message.id(), %destination, %error, "publishing the {what} failed; nacking")
+                        debug!(topic = %message.topic(), message_id = %message.id(), %destination, error = %ErrorChain(&error), "publishing the {what} failed; nacking")
                     }
                 }
                 Verdict::Nack

@@ -15,7 +15,7 @@ use tracing::{debug, error, info, warn};
 
 use super::subscription::Subscription;
 use super::{wait_until, Delivery, Engine, Phase, NO_POOL};
-use crate::error::{Error, MAX_DURATION};
+use crate::error::{Error, ErrorChain, MAX_DURATION};
 use crate::outcome::panic_text;
 use crate::routing::{retry_topic_problems, RetryTopicCheck};
 use crate::transport::Transport;
@@ -197,7 +197,7 @@ impl<T: Transport> Engine<T> {
 
     /// Records an unexpected failure and starts shutdown.
     pub(crate) fn fail(&self, failure: Error) {
-        error!(error = %failure, "dispatcher failure; shutting down");
+        error!(error = %ErrorChain(&failure), "dispatcher failure; shutting down");
         self.failure.borrow_mut().get_or_insert(failure);
         self.request_stop();
     }
@@ -227,7 +227,7 @@ impl<T: Transport> Engine<T> {
             subscription.publish(&self.stats_of(&subscription), now);
         }
         if let Some(gauge) = &self.permits_gauge {
-            gauge.set(self.scheduler.borrow().available() as f64);
+            gauge.borrow_mut().show(self.scheduler.borrow().available());
         }
     }
 

@@ -15,7 +15,11 @@
 //! moves a subscription to the series of its new priority (and back), a
 //! subscription made again after an unsubscribe takes up the series of the
 //! one before. Publishing increments, never absolute values, makes every
-//! series the sum of what was counted under its labels, whoever counted it.
+//! series the sum of what was counted under its labels, whoever counted it;
+//! gauges too (each publish moves a gauge by how much its value changed),
+//! so that the dispatchers of `per_core`, which share a recorder and label
+//! a subscription made on every core alike, add up instead of overwriting
+//! one another.
 
 use metrics::{Counter, Gauge, Histogram, Label};
 
@@ -34,8 +38,8 @@ pub(crate) struct SubscriptionMetrics {
     /// The subscription's counts when they were last published: what the
     /// next publish adds is what they grew by since.
     published: Vec<u64>,
-    in_flight: Gauge,
-    slot_occupied: Gauge,
+    in_flight: SummedGauge,
+    slot_occupied: SummedGauge,
     pub(crate) slot_wait: Histogram,
     pub(crate) handler_duration: Histogram,
 }
@@ -59,8 +63,8 @@ impl SubscriptionMetrics {
         stats: &SubscriptionStats,
     ) {
         self.publish(stats);
-        self.in_flight.set(0.0);
-        self.slot_occupied.set(0.0);
+        self.in_flight.show(0);
+        self.slot_occupied.show(0);
         let published = std::mem::take(&mut self.published);
         *self = Self::labelled(topic, subscription, priority, published);
     }
@@ -83,15 +87,15 @@ impl SubscriptionMetrics {
         SubscriptionMetrics {
             counters,
             published,
-            in_flight: metrics::gauge!(IN_FLIGHT, labels.iter()),
-            slot_occupied: metrics::gauge!(SLOT_OCCUPIED, labels.iter()),
+            in_flight: SummedGauge::new(metrics::gauge!(IN_FLIGHT, labels.iter())),
+            slot_occupied: SummedGauge::new(metrics::gauge!(SLOT_OCCUPIED, labels.iter())),
             slot_wait: metrics::histogram!(SLOT_WAIT, labels.iter()),
             handler_duration: metrics::histogram!(HANDLER_DURATION, labels.iter()),
         }
     }
 
     /// Publishes a snapshot of the subscription: its counters by what they
-    /// grew, its gauges as they are.
+    /// grew, its gauges by what they changed.
     pub(crate) fn publish(&mut self, stats: &SubscriptionStats) {
         let counts = stats.counter_values().zip(&mut self.published);
         for (counter, ((_, value), published)) in self.counters.iter().zip(counts) {
@@ -101,14 +105,37 @@ impl SubscriptionMetrics {
                 *published = value;
             }
         }
-        self.in_flight.set(stats.in_flight as f64);
-        self.slot_occupied.set(stats.waiting as f64);
+        self.in_flight.show(stats.in_flight);
+        self.slot_occupied.show(stats.waiting);
+    }
+}
+
+/// A gauge this dispatcher moves by how much its own value changed, so
+/// that every dispatcher feeding the series adds its share.
+pub(crate) struct SummedGauge {
+    gauge: Gauge,
+    shown: usize,
+}
+
+impl SummedGauge {
+    fn new(gauge: Gauge) -> Self {
+        SummedGauge { gauge, shown: 0 }
+    }
+
+    /// Makes this dispatcher's share of the gauge `value`.
+    pub(crate) fn show(&mut self, value: usize) {
+        if value > self.shown {
+            self.gauge.increment((value - self.shown) as f64);
+        } else if value < self.shown {
+            self.gauge.decrement((self.shown - value) as f64);
+        }
+        self.shown = value;
     }
 }
 
 /// The dispatcher-wide gauge.
-pub(crate) fn permits_available() -> Gauge {
-    metrics::gauge!(PERMITS_AVAILABLE)
+pub(crate) fn permits_available() -> SummedGauge {
+    SummedGauge::new(metrics::gauge!(PERMITS_AVAILABLE))
 }
 
 /// Describes every metric to the recorder (units and help texts).

@@ -261,7 +261,7 @@ pub(crate) struct Engine<T: Transport> {
     metrics_interval: Option<Duration>,
     next_publish: Cell<Option<Instant>>,
     /// `None` with metrics off.
-    permits_gauge: Option<::metrics::Gauge>,
+    permits_gauge: Option<RefCell<metrics::SummedGauge>>,
     phase: Cell<Phase>,
     /// The first unexpected failure; `run()` returns it.
     failure: RefCell<Option<Error>>,
@@ -323,7 +323,10 @@ impl<T: Transport> Engine<T> {
             metrics::describe();
         }
         let aging = matches!(settings.scheduling, SchedulingPolicy::Aging(_));
-        let mut scheduler = Scheduler::with_policy(concurrency, settings.scheduling);
+        // The runtime's clock, as the nack delays and deadlines read it:
+        // paused in a test, aging pauses with it.
+        let mut scheduler = Scheduler::with_policy(concurrency, settings.scheduling)
+            .with_clock(|| tokio::time::Instant::now().into_std());
         for (priority, permits) in settings.reservations {
             scheduler.reserve(priority, permits);
         }
@@ -356,7 +359,7 @@ impl<T: Transport> Engine<T> {
             next_publish: Cell::new(None),
             permits_gauge: settings
                 .metrics_interval
-                .map(|_| metrics::permits_available()),
+                .map(|_| RefCell::new(metrics::permits_available())),
             phase: Cell::new(Phase::Idle),
             failure: RefCell::default(),
             closed: Notify::new(),

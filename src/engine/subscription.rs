@@ -23,7 +23,7 @@ use super::metrics::SubscriptionMetrics;
 use super::stats::{bump, Counters, LatencyHistogram, SubscriptionStats};
 use super::wake::{SubscriptionWaker, WokenList};
 use super::{wait_until, Handler, MessageBox};
-use crate::error::{Error, TransportError};
+use crate::error::{Error, ErrorChain, TransportError};
 use crate::hash::hash_key;
 use crate::log_limit::LogLimit;
 use crate::message::{Message, MessageId};
@@ -352,7 +352,7 @@ impl<T: Transport> Subscription<T> {
         let since = *failures.since.get_or_insert(now);
         let failing_for = now - since;
         if failing_for >= self.receive_failure_limit {
-            warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), %error, ?failing_for, "receiving keeps failing; stopping");
+            warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), error = %ErrorChain(&error), ?failing_for, "receiving keeps failing; stopping");
             return Received::Failed(Error::ConsumerFailing {
                 topic: self.info.topic.clone(),
                 failing_for,
@@ -360,7 +360,7 @@ impl<T: Transport> Subscription<T> {
             });
         }
         if let Some(not_logged) = failures.log.admit(now) {
-            warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), %error, in_a_row = failures.in_a_row, not_logged, "receiving failed; retrying");
+            warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), error = %ErrorChain(&error), in_a_row = failures.in_a_row, not_logged, "receiving failed; retrying");
         }
         let doublings = (failures.in_a_row - 1).min(16);
         let wait = (RECEIVE_RETRY_FIRST * 2u32.pow(doublings)).min(RECEIVE_RETRY_MAX);
@@ -462,7 +462,7 @@ impl<T: Transport> Subscription<T> {
                 // broken connection refuses every message in flight.
                 match self.settle_failures_log.admit(Instant::now()) {
                     Some(not_logged) => {
-                        warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), message_id = %id, ?verdict, %error, not_logged, "settling a message failed")
+                        warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), message_id = %id, ?verdict, error = %ErrorChain(&error), not_logged, "settling a message failed")
                     }
                     None => {
                         debug!(topic = %self.topic, message_id = %id, ?verdict, %error, "settling a message failed")

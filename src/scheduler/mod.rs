@@ -241,7 +241,8 @@ impl<M> Scheduler<M> {
         }
     }
 
-    /// Replaces the clock the aging policy reads (for tests).
+    /// Replaces the clock the aging policy reads (the system's by default):
+    /// the engine gives it the runtime's, tests one of their own.
     pub fn with_clock(mut self, clock: fn() -> Instant) -> Self {
         self.clock = clock;
         self

@@ -35,6 +35,7 @@ pub enum SchedulingPolicy {
 /// // priority 20; levels not named get 1.
 /// let policy = SchedulingPolicy::Weighted(Weights::new().level(10, 8).level(20, 2));
 /// ```
+#[must_use]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Weights {
     by_level: BTreeMap<i64, u32>,
@@ -57,7 +58,6 @@ impl Weights {
     }
 
     /// The weight of the level `priority` (at least 1; 0 counts as 1).
-    #[must_use]
     pub fn level(mut self, priority: i64, weight: u32) -> Self {
         self.by_level.insert(priority, weight.max(1));
         self
@@ -65,7 +65,6 @@ impl Weights {
 
     /// The weight of levels not named with [`level`](Self::level) (1 by
     /// default; 0 counts as 1).
-    #[must_use]
     pub fn others(mut self, weight: u32) -> Self {
         self.others = weight.max(1);
         self
@@ -90,6 +89,7 @@ impl Weights {
 /// assert_eq!(Aging::new(10.0, 50).boost(Duration::from_millis(250)), 2);
 /// assert_eq!(Aging::new(10.0, 50).boost(Duration::from_secs(60)), 50);
 /// ```
+#[must_use]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Aging {
     per_second: f64,

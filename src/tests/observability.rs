@@ -317,6 +317,39 @@ fn handlers_and_settlement_run_inside_a_span_per_message() {
     });
 }
 
+#[derive(Debug, thiserror::Error)]
+#[error("warehouse busy")]
+struct WarehouseBusy(#[source] std::io::Error);
+
+/// A handler's error is logged with its causes: the usual error types keep
+/// the cause out of their own text, and a log line without it says what
+/// failed but not why.
+#[test]
+fn a_handler_error_is_logged_with_its_causes() {
+    let logs = LogCapture::start("pulsar_dispatcher=warn");
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        transport.send("jobs", "1");
+        let busy = async |_: &Message| {
+            Err::<(), _>(WarehouseBusy(std::io::Error::other("refused by wms-3")))
+        };
+        dispatcher
+            .subscribe("jobs", busy, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let output = logs.output();
+        assert!(
+            output.contains("error=warehouse busy: refused by wms-3"),
+            "{output}"
+        );
+    });
+}
+
 /// A retry topic that refuses every publish fails each message that fails
 /// its handler: each is counted and nacked, and logged once an interval,
 /// not once a message; so are the acks a broken consumer refuses.
@@ -439,6 +472,50 @@ fn gauge_sum(series: &[(String, DebugValue)]) -> f64 {
             _ => 0.0,
         })
         .sum()
+}
+
+/// Dispatchers sharing a recorder (one per core) add up on a gauge whose
+/// series they share: two handlers running on one dispatcher and none on
+/// the other show 2 running, and the free permits of both (before, the
+/// last dispatcher to publish overwrote the other's value).
+#[test]
+fn dispatchers_sharing_a_recorder_add_up_on_gauges() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    run_local(async {
+        let gate = Gate::default();
+        let mut running = Vec::new();
+        for busy in [true, false] {
+            let transport = MemoryTransport::new();
+            let dispatcher = Rc::new(
+                Dispatcher::builder()
+                    .concurrency(4)
+                    .metrics_interval(Some(Duration::from_millis(5)))
+                    .build(transport.clone())
+                    .unwrap(),
+            );
+            dispatcher
+                .subscribe("jobs", gated(&gate), options(1).subscription("s"))
+                .await
+                .unwrap();
+            if busy {
+                transport.send("jobs", "1");
+                transport.send("jobs", "2");
+            }
+            running.push((spawn_run(&dispatcher), dispatcher, transport));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let in_flight = by_priority(&snapshotter, "pulsar_dispatcher_in_flight");
+        let permits = by_priority(&snapshotter, "pulsar_dispatcher_permits_available");
+        assert_eq!(gauge_sum(&in_flight), 2.0, "{in_flight:?}");
+        assert_eq!(gauge_sum(&permits), 6.0, "{permits:?}");
+        gate.open();
+        for (run, dispatcher, _transport) in running {
+            dispatcher.close().await;
+            run.await.unwrap().unwrap();
+        }
+    });
 }
 
 /// After a priority change, the gauges under the old priority are zeroed:

@@ -506,3 +506,52 @@ fn a_topic_family_is_added_and_removed_as_a_unit_while_running() {
         run.await.unwrap().unwrap();
     });
 }
+
+/// The aging policy reads the runtime's clock, as nack delays and
+/// deadlines do: with tokio's clock paused (as tests of services pause it),
+/// a message that waits still ages (before, it read the system's clock and
+/// the worse message ran after all 100 better ones).
+#[test]
+fn aging_follows_the_runtimes_clock() {
+    super::run_paused(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(1)
+            .scheduling(SchedulingPolicy::Aging(crate::Aging::new(10.0, 100)))
+            .build(transport.clone())
+            .unwrap();
+        for n in 0..100 {
+            transport.send("better", format!("{n}"));
+        }
+        transport.send("worse", "w");
+        let order = Log::default();
+        let log = order.clone();
+        let slow = async move |message: &Message| {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            log.borrow_mut()
+                .push(String::from_utf8_lossy(message.payload()).into_owned());
+            Ok::<_, Infallible>(())
+        };
+        dispatcher
+            .subscribe("better", slow.clone(), options(1))
+            .await
+            .unwrap();
+        dispatcher
+            .subscribe("worse", slow, options(11))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("worse", 1).await;
+        let before = order.borrow().iter().position(|m| m == "w").unwrap();
+        // 10 points a second: 1 s of waiting (10 handlers) makes up the
+        // 10 priorities between them.
+        assert!(
+            (9..=13).contains(&before),
+            "ran after {before}: {:?}",
+            order.borrow()
+        );
+        dispatcher.close_within(std::time::Duration::ZERO).await;
+        let _ = run.await.unwrap();
+    });
+}
