@@ -328,7 +328,9 @@ impl<T: Transport> Dispatcher<T> {
     }
 
     /// Removes a subscription, while the others go on: it stops receiving,
-    /// a message it already holds is still dispatched, its running handlers
+    /// the messages it holds that have not started go back to the broker
+    /// at once (nacked: under strict priority they could otherwise wait for
+    /// every better backlog), its running handlers
     /// finish and their messages are settled, held nacks are sent at once,
     /// and its consumer is closed, with the producers no other subscription
     /// publishes with; then its place is free for reuse. Returns

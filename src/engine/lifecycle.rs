@@ -264,11 +264,7 @@ impl<T: Transport> Engine<T> {
             else {
                 break;
             };
-            subscription.nack_at_once(message.get().id());
-            self.recycle(message);
-            if subscription.is_removing() {
-                self.drained.notify_waiters();
-            }
+            self.give_back(&subscription, message);
         }
         let running = self.scheduler.borrow().running();
         warn!(

@@ -614,6 +614,16 @@ impl<T: Transport> Engine<T> {
         }
     }
 
+    /// Hands a message that never started back to the broker (nacked at
+    /// once) and takes its box back.
+    pub(crate) fn give_back(&self, subscription: &Subscription<T>, message: MessageBox) {
+        subscription.nack_at_once(message.get().id());
+        self.recycle(message);
+        if subscription.is_removing() {
+            self.drained.notify_waiters();
+        }
+    }
+
     /// Takes an emptied message box back for the next message.
     #[inline(always)]
     pub(crate) fn recycle(&self, mut message: MessageBox) {

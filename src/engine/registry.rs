@@ -275,8 +275,8 @@ impl<T: Transport> Engine<T> {
         true
     }
 
-    /// Removes a subscription: it stops receiving, its waiting message is
-    /// still dispatched and its handlers finish, its held nacks are sent,
+    /// Removes a subscription: it stops receiving, what it holds and has not
+    /// started is nacked at once, its handlers finish, its held nacks are sent,
     /// its consumer is closed, and its place is freed. Other subscriptions
     /// go on meanwhile. Returns false if it was gone already.
     ///
@@ -290,6 +290,12 @@ impl<T: Transport> Engine<T> {
         };
         if !subscription.is_removing() {
             subscription.start_removing();
+            // What it holds has not started: handed back now, not after
+            // every better priority's backlog (under strict priority it
+            // would wait for them all).
+            while let Some(held) = self.scheduler.borrow_mut().take_held(subscription.key) {
+                self.give_back(&subscription, held.message);
+            }
             tokio::task::spawn_local(self.clone().remove(id, subscription));
         }
         wait_until(&self.drained, || {

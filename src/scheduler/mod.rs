@@ -53,8 +53,9 @@ pub struct SubscriptionKey(usize);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Ordering {
-    /// Messages start in the order they are received and run concurrently
-    /// (the default).
+    /// Messages are picked in the order they are received and run
+    /// concurrently (the default); with several running at once, one may
+    /// start a little ahead of one picked just before it.
     #[default]
     Unordered,
     /// Messages with the same key never run at once and start in the order
@@ -546,17 +547,23 @@ impl<M> Scheduler<M> {
     /// Takes any waiting message without a permit (to give it back when the
     /// dispatcher gives up on it).
     pub fn take_waiting(&mut self) -> Option<(SubscriptionKey, M)> {
-        let (index, subscription) = self
+        let (index, _) = self
             .subscriptions
-            .iter_mut()
+            .iter()
             .find(|(_, subscription)| subscription.held.len() > 0)?;
-        let waiting = subscription.held.take_any().expect("held");
-        self.waiting -= 1;
         let key = SubscriptionKey(index);
-        if !self.subscriptions[index].is_ready() {
+        self.take_held(key).map(|message| (key, message))
+    }
+
+    /// Takes a message the subscription holds, dispatchable or not,
+    /// without a permit (to give it back).
+    pub fn take_held(&mut self, key: SubscriptionKey) -> Option<M> {
+        let waiting = self.subscriptions[key.0].held.take_any()?;
+        self.waiting -= 1;
+        if !self.subscriptions[key.0].is_ready() {
             self.unqueue(key);
         }
-        Some((key, waiting.message))
+        Some(waiting.message)
     }
 
     /// Returns the permit of a message whose processing has ended.

@@ -70,8 +70,11 @@ fn subscriptions_come_and_go_while_the_others_keep_flowing() {
     });
 }
 
+/// Unsubscribing waits for the running handlers, and hands back at once
+/// the message waiting in the slot: it has not started, and under strict
+/// priority it could wait for every better backlog.
 #[test]
-fn unsubscribing_lets_the_waiting_message_and_running_handlers_finish() {
+fn unsubscribing_lets_running_handlers_finish_and_hands_back_the_waiting_message() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(1);
         let gate = Gate::default();
@@ -95,16 +98,13 @@ fn unsubscribing_lets_the_waiting_message_and_running_handlers_finish() {
         assert!(!removing.is_finished(), "waits for its handler");
         gate.open();
         removing.await.unwrap().unwrap();
-        assert_eq!(
-            transport.acked("jobs"),
-            ids[..2],
-            "the running and the waiting one"
-        );
+        assert_eq!(transport.acked("jobs"), ids[..1], "the running one");
+        assert_eq!(transport.nacked("jobs"), ids[1..2], "the waiting one");
         assert_eq!(transport.open_consumers(), 0);
         assert_eq!(
             transport.backlog_len("jobs"),
-            1,
-            "the third stays with the broker"
+            2,
+            "the waiting one and the third are with the broker"
         );
         dispatcher.close().await;
         run.await.unwrap().unwrap();
@@ -553,5 +553,50 @@ fn aging_follows_the_runtimes_clock() {
         );
         dispatcher.close_within(std::time::Duration::ZERO).await;
         let _ = run.await.unwrap();
+    });
+}
+
+/// Under strict priority a worse subscription's waiting message would run
+/// only once every better backlog is gone: its unsubscribe does not wait
+/// for that (before, it returned after all 100 better messages).
+#[test]
+fn unsubscribe_does_not_wait_for_better_backlogs() {
+    super::run_paused(async {
+        let (dispatcher, transport) = dispatcher(1);
+        for n in 0..100 {
+            transport.send("better", format!("{n}"));
+        }
+        let worse_id = transport.send("worse", "w");
+        let handled = Rc::new(Cell::new(0));
+        let count = handled.clone();
+        let slow = async move |_: &Message| {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            count.set(count.get() + 1);
+            Ok::<_, Infallible>(())
+        };
+        dispatcher
+            .subscribe("better", slow.clone(), options(1))
+            .await
+            .unwrap();
+        let worse = dispatcher
+            .subscribe("worse", slow, options(9))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        dispatcher.unsubscribe(worse).await.unwrap();
+        assert!(
+            handled.get() < 5,
+            "waited for {} better ones",
+            handled.get()
+        );
+        assert_eq!(
+            transport.nacked("worse"),
+            [worse_id],
+            "handed back unstarted"
+        );
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
     });
 }
