@@ -156,7 +156,12 @@ impl DispatcherBuilder {
     /// Connects to Pulsar at `url` with the `pulsar` crate's default client
     /// settings, except that operations the broker answers with a
     /// retryable error ("service not ready", "consumer busy", ...) are
-    /// retried at most 12 times (5 s apart) rather than for ever.
+    /// retried at most 12 times (5 s apart) rather than for ever. A broker
+    /// that cannot be reached fails it after the crate's own connection
+    /// retries (about 40 s against a port that refuses connections): bound
+    /// it with `tokio::time::timeout`, or set the crate's
+    /// `ConnectionRetryOptions` through
+    /// [`connect_with`](Self::connect_with).
     pub async fn connect(self, url: &str) -> Result<Dispatcher<PulsarTransport>, Error> {
         let retries = pulsar::OperationRetryOptions {
             max_retries: Some(CONNECT_OPERATION_RETRIES),

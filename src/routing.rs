@@ -80,6 +80,7 @@ impl DeadLetterTargets {
 
 /// What `run()` does when the retry topic check finds a problem.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RetryTopicCheck {
     /// Log each problem as a `tracing` warning and start (the default).
     #[default]

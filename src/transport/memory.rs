@@ -31,6 +31,7 @@ pub struct MemoryTransport {
 
 /// Something a client did to the in-memory broker, in the order it happened.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Event {
     /// A producer published to `topic`.
     Published {
