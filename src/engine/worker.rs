@@ -134,15 +134,8 @@ where
                 in_this_poll = 0;
                 tokio::task::yield_now().await;
             }
-            self.run(job, &engine, &inbox.publishing).await;
+            self.run(job, &engine, &inbox).await;
             current = None;
-            if engine.is_cancelling() {
-                // Past the shutdown deadline, spared to finish a publish:
-                // the jobs it had picked are not started (dropped, each
-                // nacked and counted as cancelled).
-                inbox.queue.borrow_mut().clear();
-                return;
-            }
             in_this_poll += 1;
             if in_this_poll >= JOBS_PER_POLL {
                 in_this_poll = 0;
@@ -160,7 +153,7 @@ where
 
     /// Runs the handler on the job's message where it is stored, then
     /// settles the message by the handler's outcome.
-    async fn run(&self, job: &mut Job<T>, engine: &Engine<T>, publishing: &Cell<bool>) {
+    async fn run(&self, job: &mut Job<T>, engine: &Engine<T>, inbox: &Inbox<T>) {
         let span = job.span(engine);
         let since = job.since();
         let started = since.map(|_| Instant::now());
@@ -221,13 +214,21 @@ where
         let failed = match concluded {
             Ok(None) => return,
             Ok(Some(publish)) => {
-                publishing.set(true);
+                inbox.publishing.set(true);
                 let published = AssertUnwindSafe(job.publish_and_settle(publish)).catch_unwind();
                 let published = match span {
                     None => published.await,
                     Some(span) => published.instrument(span).await,
                 };
-                publishing.set(false);
+                inbox.publishing.set(false);
+                if engine.is_cancelling() {
+                    // Spared at the shutdown deadline to finish this
+                    // publish (only a publishing worker outlives it): the
+                    // jobs it had picked are not started (dropped, each
+                    // nacked and counted as cancelled), and with nothing
+                    // left to pick it waits idle until the pool closes.
+                    inbox.queue.borrow_mut().clear();
+                }
                 published.err()
             }
             Err(panic) => Some(panic),
