@@ -227,7 +227,7 @@ impl<T: Transport> Engine<T> {
             subscription.publish(&self.stats_of(&subscription), now);
         }
         if let Some(gauge) = &self.permits_gauge {
-            gauge.borrow_mut().show(self.scheduler.borrow().available());
+            gauge.show(self.scheduler.borrow().available());
         }
     }
 

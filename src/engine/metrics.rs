@@ -21,6 +21,8 @@
 //! a subscription made on every core alike, add up instead of overwriting
 //! one another.
 
+use std::cell::Cell;
+
 use metrics::{Counter, Gauge, Histogram, Label};
 
 use super::stats::SubscriptionStats;
@@ -114,22 +116,25 @@ impl SubscriptionMetrics {
 /// that every dispatcher feeding the series adds its share.
 pub(crate) struct SummedGauge {
     gauge: Gauge,
-    shown: usize,
+    shown: Cell<usize>,
 }
 
 impl SummedGauge {
     fn new(gauge: Gauge) -> Self {
-        SummedGauge { gauge, shown: 0 }
+        SummedGauge {
+            gauge,
+            shown: Cell::new(0),
+        }
     }
 
     /// Makes this dispatcher's share of the gauge `value`.
-    pub(crate) fn show(&mut self, value: usize) {
-        if value > self.shown {
-            self.gauge.increment((value - self.shown) as f64);
-        } else if value < self.shown {
-            self.gauge.decrement((self.shown - value) as f64);
+    pub(crate) fn show(&self, value: usize) {
+        let shown = self.shown.replace(value);
+        if value > shown {
+            self.gauge.increment((value - shown) as f64);
+        } else if value < shown {
+            self.gauge.decrement((shown - value) as f64);
         }
-        self.shown = value;
     }
 }
 

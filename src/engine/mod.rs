@@ -261,7 +261,7 @@ pub(crate) struct Engine<T: Transport> {
     metrics_interval: Option<Duration>,
     next_publish: Cell<Option<Instant>>,
     /// `None` with metrics off.
-    permits_gauge: Option<RefCell<metrics::SummedGauge>>,
+    permits_gauge: Option<metrics::SummedGauge>,
     phase: Cell<Phase>,
     /// The first unexpected failure; `run()` returns it.
     failure: RefCell<Option<Error>>,
@@ -359,7 +359,7 @@ impl<T: Transport> Engine<T> {
             next_publish: Cell::new(None),
             permits_gauge: settings
                 .metrics_interval
-                .map(|_| RefCell::new(metrics::permits_available())),
+                .map(|_| metrics::permits_available()),
             phase: Cell::new(Phase::Idle),
             failure: RefCell::default(),
             closed: Notify::new(),
