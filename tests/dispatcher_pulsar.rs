@@ -13,6 +13,8 @@ on_plain_and_partitioned_topics!(
     with_a_slow_handler_the_backlog_stays_on_the_broker,
     shutdown_under_load_loses_nothing,
     a_batch_is_acked_only_once_every_message_in_it_succeeded,
+    a_nacked_batch_runs_again_only_its_failed_members,
+    an_unload_runs_no_settled_member_of_a_pending_batch_again,
     the_ack_timeout_leaves_an_acked_batch_alone,
 );
 
@@ -647,6 +649,134 @@ fn batch_acked_once_all_succeeded(kind: TopicKind, subscription_type: SubType) {
         );
         close_and_join(&dispatcher, run).await;
         assert_eq!(handled.borrow().len(), 5);
+    });
+}
+
+/// A batch with a failed member is nacked whole, and the broker delivers
+/// it whole again (on Exclusive by rewinding the subscription): the members
+/// that succeeded are not handled a second time, only the failed one is.
+fn a_nacked_batch_runs_again_only_its_failed_members(kind: TopicKind) {
+    for subscription_type in [SubType::Shared, SubType::Exclusive] {
+        nacked_batch_runs_only_failed_members(kind, subscription_type);
+    }
+}
+
+fn nacked_batch_runs_only_failed_members(kind: TopicKind, subscription_type: SubType) {
+    run_local(Duration::from_secs(90), async {
+        let topic = fresh_topic("nacked-batch", kind);
+        let subscription = unique_name("sub");
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let attempts: Rc<RefCell<BTreeMap<String, u32>>> = Rc::default();
+        let handler = {
+            let attempts = attempts.clone();
+            async move |message: &Message| {
+                let payload = String::from_utf8_lossy(message.payload()).into_owned();
+                let attempt = {
+                    let mut attempts = attempts.borrow_mut();
+                    let attempt = attempts.entry(payload.clone()).or_default();
+                    *attempt += 1;
+                    *attempt
+                };
+                if payload == "flaky" && attempt == 1 {
+                    return Err(std::io::Error::other("fails the first time"));
+                }
+                Ok(())
+            }
+        };
+        let options = shared(&subscription, 1)
+            .subscription_type(subscription_type)
+            .receiver_queue_size(10);
+        dispatcher
+            .subscribe(&topic, handler, options)
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        produce_with_python(&topic, &["a", "b", "flaky", "c", "d"], true).await;
+        wait_until(
+            "the flaky member's second run",
+            Duration::from_secs(30),
+            || attempts.borrow().get("flaky") == Some(&2),
+        )
+        .await;
+        let done = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&dispatcher, run).await;
+        assert_eq!(
+            done.msg_backlog, 0,
+            "{subscription_type:?}: the batch is acked"
+        );
+        let total = dispatcher.stats().total();
+        assert!(
+            total.redelivered_after_success >= 4,
+            "{subscription_type:?}: the four that succeeded came back and were counted: {total:?}"
+        );
+        let expected: BTreeMap<String, u32> =
+            [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("flaky", 2)]
+                .into_iter()
+                .map(|(payload, runs)| (payload.to_owned(), runs))
+                .collect();
+        assert_eq!(
+            *attempts.borrow(),
+            expected,
+            "{subscription_type:?}: only the failed member runs again"
+        );
+    });
+}
+
+/// An unload (or any reconnection) delivers again every message not yet
+/// acknowledged, and a batch is acknowledged only once all its members
+/// are settled: the members already handled while a batch-mate still runs
+/// come back, and are dropped as second copies, like the one still running.
+fn an_unload_runs_no_settled_member_of_a_pending_batch_again(kind: TopicKind) {
+    for subscription_type in [SubType::Shared, SubType::Exclusive] {
+        no_settled_member_runs_again(kind, subscription_type);
+    }
+}
+
+fn no_settled_member_runs_again(kind: TopicKind, subscription_type: SubType) {
+    run_local(Duration::from_secs(90), async {
+        let topic = fresh_topic("pending-batch", kind);
+        let subscription = unique_name("sub");
+        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let holding = Holding::default();
+        let handled = holding.handled.clone();
+        let options = shared(&subscription, 1)
+            .subscription_type(subscription_type)
+            .receiver_queue_size(10);
+        dispatcher
+            .subscribe(&topic, holding.handler("slow"), options)
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        produce_with_python(&topic, &["a", "b", "slow", "c"], true).await;
+        wait_until("the three fast ones", Duration::from_secs(20), || {
+            handled.borrow().len() >= 3
+        })
+        .await;
+        let unloaded = topic.clone();
+        tokio::task::spawn_blocking(move || common::unload(&unloaded, kind))
+            .await
+            .unwrap();
+        // The whole batch comes back: the running member's copy and the
+        // three settled members' copies are all dropped (or, if a settled
+        // member's copy is handled, the assertion below says which).
+        wait_until("the batch's second copies", Duration::from_secs(30), || {
+            dispatcher.stats().total().dropped_in_flight >= 4 || handled.borrow().len() > 3
+        })
+        .await;
+        holding.release();
+        let done = wait_for_empty_backlog(&topic, &subscription).await;
+        close_and_join(&dispatcher, run).await;
+        assert_eq!(
+            done.msg_backlog, 0,
+            "{subscription_type:?}: the batch is acked"
+        );
+        let mut payloads: Vec<String> = handled.borrow().iter().map(|(_, p)| p.clone()).collect();
+        payloads.sort();
+        assert_eq!(
+            payloads,
+            ["a", "b", "c", "slow"],
+            "{subscription_type:?}: each member handled once"
+        );
     });
 }
 

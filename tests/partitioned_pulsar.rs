@@ -441,15 +441,9 @@ async fn handle_through_an_unload(subscription_type: SubType) {
         handled.borrow().len() >= 50
     })
     .await;
-    let partitions: Vec<String> = (0..PARTITIONS)
-        .map(|index| format!("{topic}-partition-{index}"))
-        .collect();
+    let unloaded = topic.clone();
     tokio::task::spawn_blocking(move || {
-        for partition in partitions {
-            let path = format!("/admin/v2/{}/unload", partition.replacen("://", "/", 1));
-            let (status, body) = common::admin_request("PUT", &path, None).unwrap();
-            assert_eq!(status, 204, "unloading {partition}: {body}");
-        }
+        common::unload(&unloaded, TopicKind::Partitioned(PARTITIONS))
     })
     .await
     .unwrap();

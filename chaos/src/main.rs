@@ -451,7 +451,8 @@ fn stats_line(stats: &DispatcherStats, main_topics: &HashSet<String>) -> String 
         "stats received={} dispatched={} succeeded={} failed={} panicked={} \
          deadline_exceeded={} retried={} dead_lettered={} acked={} acked_main={} nacked={} \
          acks_failed={} nacks_failed={} receive_errors={} redelivered_after_ack={} \
-         rewinds_repeated={} dropped_in_flight={} in_flight={} waiting={}",
+         rewinds_repeated={} dropped_in_flight={} redelivered_after_success={} in_flight={} \
+         waiting={}",
         total.received,
         total.dispatched,
         total.succeeded,
@@ -469,6 +470,7 @@ fn stats_line(stats: &DispatcherStats, main_topics: &HashSet<String>) -> String 
         total.redelivered_after_ack,
         total.rewinds_repeated,
         total.dropped_in_flight,
+        total.redelivered_after_success,
         stats.in_flight,
         stats.waiting,
     )

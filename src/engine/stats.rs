@@ -125,8 +125,13 @@ counters! {
         /// Second copies of messages still being handled, which the broker
         /// delivered again (after a reconnection, on any subscription type;
         /// after a nack's rewind on Exclusive and Failover): dropped, since
-        /// the copy being handled settles the message.
+        /// the copy being handled settles the message. Also second copies of
+        /// producer batch members settled while batch-mates are handled.
         dropped_in_flight => "pulsar_dispatcher_messages_dropped_in_flight_total",
+        /// Members of a producer batch that came back with their batch,
+        /// nacked for a batch-mate, after they had succeeded: settled as
+        /// succeeded again, not handled again.
+        redelivered_after_success => "pulsar_dispatcher_messages_redelivered_after_success_total",
     }
 }
 
@@ -137,6 +142,8 @@ impl Counters {
             .set(repairs.redelivered_after_ack);
         self.rewinds_repeated.set(repairs.rewinds_repeated);
         self.dropped_in_flight.set(repairs.dropped_in_flight);
+        self.redelivered_after_success
+            .set(repairs.redelivered_after_success);
     }
 }
 

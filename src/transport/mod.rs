@@ -244,8 +244,13 @@ pub struct Repairs {
     /// Second copies of messages still being handled, which the broker
     /// delivered again (a reconnection on any subscription type, a nack's
     /// rewind on Exclusive and Failover): dropped, since the copy being
-    /// handled settles the message.
+    /// handled settles the message. Also second copies of producer batch
+    /// members settled while their batch-mates are still being handled.
     pub dropped_in_flight: u64,
+    /// Members of a producer batch that came back with their batch, nacked
+    /// for a batch-mate, after they had succeeded: settled as succeeded
+    /// again and not handed out.
+    pub redelivered_after_success: u64,
 }
 
 /// A producer for one topic, shared by every task that publishes there.

@@ -16,9 +16,11 @@
 //! would acknowledge all of them, including members still being handled.
 //! The consumer therefore holds the settlements of batch members until the
 //! whole batch is settled, then acks the entry if every member succeeded
-//! and nacks it (redelivering the whole batch) otherwise. With the crate's
-//! ack timeout on, which tracks every member's id, the entry is acked once
-//! per member, each by the id the crate handed out.
+//! and nacks it (redelivering the whole batch) otherwise; when the batch
+//! comes back, its members that succeeded are settled again on arrival
+//! instead of being handled again. With the crate's ack timeout on, which
+//! tracks every member's id, the entry is acked once per member, each by
+//! the id the crate handed out.
 //!
 //! On Exclusive and Failover subscriptions a nack rewinds the whole
 //! subscription; `rewind` drops the second copies that delivers of messages
@@ -38,7 +40,7 @@ use super::partition::{
     close_partitions, partition_name, subscribe_partitions, AddedPartitions, Partition, Subscriber,
 };
 use super::rewind::RewindCheck;
-use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks};
+use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks, SettledBefore};
 use super::{
     Consumer, ConsumerSpec, OutgoingMessage, Producer, Repairs, Transport, TransportError,
 };
@@ -260,6 +262,7 @@ impl PulsarConsumer {
         for _ in 0..SKIPS_PER_RECEIVE {
             match self.poll_next_partition(cx) {
                 Poll::Ready(Some(Ok(message))) if self.was_acked(message.id()) => continue,
+                Poll::Ready(Some(Ok(message))) if self.settled_before(message.id()) => continue,
                 Poll::Ready(Some(Ok(message))) if self.is_being_handled(message.id()) => continue,
                 Poll::Pending => {
                     self.rewind_again_if_due(cx);
@@ -284,6 +287,33 @@ impl PulsarConsumer {
             tracing::debug!(message_id = %id, "a rewind delivered again a message still being handled; dropped");
         }
         !handed_out
+    }
+
+    /// Whether the message is a batch member settled before (see
+    /// `BatchSettlements::settled_before`): a second copy while its batch
+    /// is pending is dropped, as copies of messages being handled are; a
+    /// member that succeeded in a nacked earlier delivery is settled as
+    /// succeeded again instead of being handled again.
+    fn settled_before(&mut self, id: &MessageId) -> bool {
+        let Some(settled) = self.batches.settled_before(id) else {
+            return false;
+        };
+        match settled {
+            SettledBefore::InThisDelivery => {
+                tracing::debug!(message_id = %id, "a second copy of a batch member settled while its batch is pending; dropped");
+                if let Some(rewinds) = &mut self.rewinds {
+                    rewinds.dropped_in_flight += 1;
+                }
+            }
+            SettledBefore::SucceededInAnEarlierDelivery => {
+                self.batches.redelivered_after_success += 1;
+                tracing::debug!(message_id = %id, "a nacked batch came back: this member succeeded before and is not handled again");
+                if let Err(error) = self.settle(id, true) {
+                    tracing::warn!(message_id = %id, %error, "settling a batch member that succeeded before failed");
+                }
+            }
+        }
+        true
     }
 
     /// Asks the partitions that nacked to rewind once more, once the
@@ -483,6 +513,7 @@ impl Consumer for PulsarConsumer {
             redelivered_after_ack: self.recent_acks.recognised,
             rewinds_repeated,
             dropped_in_flight,
+            redelivered_after_success: self.batches.redelivered_after_success,
         }
     }
 }

@@ -13,16 +13,28 @@ use std::time::{Duration, Instant};
 use crate::hash::TrustedHashing;
 use crate::message::MessageId;
 
-/// Settlements of batch members, held until their batch is complete.
+/// Settlements of batch members, held until their batch is complete, and
+/// which members of a nacked batch succeeded.
+///
+/// A nacked batch comes back whole: the broker redelivers entries, not
+/// members. Its members that succeeded the first time (acked, or routed to
+/// a retry or dead-letter topic and acked) are not handled again when it
+/// comes back to this consumer: they settle as succeeded on arrival, so
+/// that only the members that failed run again. The memory is bounded by a
+/// count of batches (`NACKED_BATCHES`); a batch that falls out of it, or
+/// that the broker hands to another consumer, runs whole again.
 #[derive(Default)]
 pub(super) struct BatchSettlements {
     by_entry: HashMap<EntryKey, BatchProgress, TrustedHashing>,
+    nacked: NackedBatches,
+    /// Members that came back after they had succeeded, settled again
+    /// without being handed out, so far.
+    pub(super) redelivered_after_success: u64,
 }
 
 struct BatchProgress {
-    /// One flag per member: settled yet?
-    settled: Vec<bool>,
-    all_succeeded: bool,
+    /// One per member: `None` while pending, then whether it succeeded.
+    members: Vec<Option<bool>>,
 }
 
 impl BatchSettlements {
@@ -41,33 +53,110 @@ impl BatchSettlements {
         succeeded: bool,
         acked: &RecentAcks,
     ) -> Option<bool> {
-        let (Some(index), Some(size)) = (id.batch_index(), id.batch_size()) else {
+        let Some((index, size)) = member_of_batch(id) else {
             return Some(succeeded);
         };
-        let (Ok(index), Ok(size)) = (usize::try_from(index), usize::try_from(size)) else {
-            return Some(succeeded);
-        };
-        if size <= 1 || index >= size {
-            return Some(succeeded);
-        }
         let entry = entry_of(id);
         let progress = match self.by_entry.entry(entry) {
             Entry::Occupied(progress) => progress.into_mut(),
             Entry::Vacant(_) if acked.contains(entry) => return None,
             Entry::Vacant(vacant) => vacant.insert(BatchProgress {
-                settled: vec![false; size],
-                all_succeeded: true,
+                members: vec![None; size],
             }),
         };
-        progress.settled[index] = true;
-        progress.all_succeeded &= succeeded;
-        if progress.settled.iter().all(|&settled| settled) {
-            let all_succeeded = progress.all_succeeded;
-            self.by_entry.remove(&entry);
-            Some(all_succeeded)
-        } else {
-            None
+        progress.members[index] = Some(succeeded);
+        if progress.members.iter().any(Option::is_none) {
+            return None;
         }
+        let members = self
+            .by_entry
+            .remove(&entry)
+            .expect("the progress just updated")
+            .members;
+        let all_succeeded = members.iter().all(|&member| member == Some(true));
+        if all_succeeded {
+            self.nacked.forget(entry);
+        } else {
+            self.nacked.remember(entry, members);
+        }
+        Some(all_succeeded)
+    }
+
+    /// Whether a batch member that just arrived was settled before: in
+    /// this delivery of its batch (a second copy, which a rewind or a
+    /// reconnection delivered while batch-mates are still being handled),
+    /// or with success in an earlier delivery that was nacked for another
+    /// member. `None` for a member to hand out, and for any other message.
+    pub(super) fn settled_before(&self, id: &MessageId) -> Option<SettledBefore> {
+        let (index, _) = member_of_batch(id)?;
+        let entry = entry_of(id);
+        let progress = self.by_entry.get(&entry);
+        if progress.is_some_and(|progress| progress.members[index].is_some()) {
+            return Some(SettledBefore::InThisDelivery);
+        }
+        self.nacked
+            .succeeded(entry, index)
+            .then_some(SettledBefore::SucceededInAnEarlierDelivery)
+    }
+}
+
+/// When a batch member that arrives again was settled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SettledBefore {
+    /// Its batch is still being settled: its settlement is held with the
+    /// batch's, and the copy has nothing to add.
+    InThisDelivery,
+    /// It succeeded when its batch was delivered before, and the batch was
+    /// nacked for another member: it is settled as succeeded again.
+    SucceededInAnEarlierDelivery,
+}
+
+/// The member's index and its batch's size, for a member of a batch of
+/// more than one.
+fn member_of_batch(id: &MessageId) -> Option<(usize, usize)> {
+    let index = usize::try_from(id.batch_index()?).ok()?;
+    let size = usize::try_from(id.batch_size()?).ok()?;
+    (size > 1 && index < size).then_some((index, size))
+}
+
+/// How many nacked batches a consumer remembers the succeeded members of.
+const NACKED_BATCHES: usize = 1024;
+
+/// The members that succeeded in recently nacked batches, oldest first out.
+#[derive(Default)]
+struct NackedBatches {
+    in_order: VecDeque<EntryKey>,
+    succeeded: HashMap<EntryKey, Vec<bool>, TrustedHashing>,
+}
+
+impl NackedBatches {
+    /// Remembers which of an entry's settled members succeeded, on top of
+    /// those that succeeded in its earlier deliveries (settled again as
+    /// succeeded on arrival, so already among them).
+    fn remember(&mut self, entry: EntryKey, members: Vec<Option<bool>>) {
+        let succeeded = members.iter().map(|&member| member == Some(true)).collect();
+        if self.succeeded.insert(entry, succeeded).is_some() {
+            return;
+        }
+        if self.in_order.len() >= NACKED_BATCHES {
+            if let Some(oldest) = self.in_order.pop_front() {
+                self.succeeded.remove(&oldest);
+            }
+        }
+        self.in_order.push_back(entry);
+    }
+
+    fn forget(&mut self, entry: EntryKey) {
+        if self.succeeded.remove(&entry).is_some() {
+            self.in_order.retain(|remembered| *remembered != entry);
+        }
+    }
+
+    fn succeeded(&self, entry: EntryKey, index: usize) -> bool {
+        self.succeeded
+            .get(&entry)
+            .and_then(|members| members.get(index))
+            .is_some_and(|&succeeded| succeeded)
     }
 }
 
@@ -207,6 +296,87 @@ mod tests {
         assert_eq!(batches.settle(&member(7, 1, 3), false, &none), None);
         assert_eq!(batches.settle(&member(7, 2, 3), true, &none), Some(false));
         assert!(batches.by_entry.is_empty());
+    }
+
+    #[test]
+    fn a_nacked_batch_remembers_which_members_succeeded_until_it_is_acked() {
+        let mut batches = BatchSettlements::default();
+        let none = RecentAcks::new(0);
+        batches.settle(&member(7, 0, 3), true, &none);
+        batches.settle(&member(7, 1, 3), false, &none);
+        assert!(
+            batches.settled_before(&member(7, 2, 3)).is_none(),
+            "a member not settled yet"
+        );
+        assert_eq!(
+            batches.settled_before(&member(7, 1, 3)),
+            Some(SettledBefore::InThisDelivery),
+            "a failed member's second copy while its batch is pending"
+        );
+        assert_eq!(batches.settle(&member(7, 2, 3), false, &none), Some(false));
+        let succeeded = |batches: &BatchSettlements| -> Vec<bool> {
+            (0..3)
+                .map(|index| {
+                    batches.settled_before(&member(7, index, 3))
+                        == Some(SettledBefore::SucceededInAnEarlierDelivery)
+                })
+                .collect()
+        };
+        assert_eq!(succeeded(&batches), [true, false, false]);
+        assert_eq!(
+            batches.settled_before(&member(8, 0, 3)),
+            None,
+            "another entry"
+        );
+        // Delivered again: member 0 settles on arrival, member 1 succeeds
+        // this time, member 2 fails again.
+        assert_eq!(batches.settle(&member(7, 0, 3), true, &none), None);
+        assert_eq!(
+            batches.settled_before(&member(7, 0, 3)),
+            Some(SettledBefore::InThisDelivery),
+            "settled in this delivery now"
+        );
+        assert_eq!(batches.settle(&member(7, 1, 3), true, &none), None);
+        assert_eq!(batches.settle(&member(7, 2, 3), false, &none), Some(false));
+        assert_eq!(succeeded(&batches), [true, true, false]);
+        // The third time, with member 0 settled on arrival and the batch
+        // pending, member 1 is still known to have succeeded before; member
+        // 2 succeeds, and the entry is acked and forgotten.
+        batches.settle(&member(7, 0, 3), true, &none);
+        assert_eq!(
+            batches.settled_before(&member(7, 1, 3)),
+            Some(SettledBefore::SucceededInAnEarlierDelivery)
+        );
+        batches.settle(&member(7, 1, 3), true, &none);
+        assert_eq!(batches.settle(&member(7, 2, 3), true, &none), Some(true));
+        assert_eq!(succeeded(&batches), [false, false, false]);
+        assert!(batches.nacked.in_order.is_empty());
+    }
+
+    #[test]
+    fn the_oldest_nacked_batch_is_forgotten_at_capacity() {
+        let mut batches = BatchSettlements::default();
+        let none = RecentAcks::new(0);
+        for entry in 0..=NACKED_BATCHES as u64 {
+            batches.settle(&member(entry, 0, 2), true, &none);
+            assert_eq!(
+                batches.settle(&member(entry, 1, 2), false, &none),
+                Some(false)
+            );
+        }
+        let earlier = Some(SettledBefore::SucceededInAnEarlierDelivery);
+        assert_eq!(
+            batches.settled_before(&member(0, 0, 2)),
+            None,
+            "the oldest goes"
+        );
+        assert_eq!(batches.settled_before(&member(1, 0, 2)), earlier);
+        assert_eq!(
+            batches.settled_before(&member(NACKED_BATCHES as u64, 0, 2)),
+            earlier
+        );
+        assert_eq!(batches.settled_before(&member(1, 1, 2)), None, "failed");
+        assert_eq!(batches.nacked.in_order.len(), NACKED_BATCHES);
     }
 
     #[test]

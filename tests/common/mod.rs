@@ -179,6 +179,25 @@ pub fn fresh_topic(prefix: &str, kind: TopicKind) -> String {
     topic
 }
 
+/// Unloads `topic`, each partition of a partitioned one, through the admin
+/// API, as the broker does when it moves a topic: its consumers reconnect
+/// and are given every message not yet acknowledged again. Blocks; call it
+/// from `spawn_blocking` inside a runtime.
+pub fn unload(topic: &str, kind: TopicKind) {
+    let names: Vec<String> = match kind {
+        TopicKind::Plain => vec![topic.to_owned()],
+        TopicKind::Partitioned(partitions) => (0..partitions)
+            .map(|index| format!("{topic}-partition-{index}"))
+            .collect(),
+    };
+    for name in names {
+        let path = format!("/admin/v2/persistent/{}/unload", topic_path(&name));
+        let (status, body) = admin_request("PUT", &path, None)
+            .unwrap_or_else(|e| panic!("PUT {}{path}: {e}", web_url()));
+        assert_eq!(status, 204, "unloading {name}: {body}");
+    }
+}
+
 /// Creates `topic` with `partitions` partitions through the admin API.
 pub fn create_partitioned_topic(topic: &str, partitions: u32) {
     set_partitions("PUT", topic, partitions);

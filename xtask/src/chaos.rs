@@ -1376,7 +1376,8 @@ fn worker_stats_note(r: &WorkerRun) -> String {
     format!(
         "worker {}: succeeded={} failed={} panicked={} retried={} dead_lettered={} \
          acked={} nacked={} deadline_exceeded={} acks_failed={} receive_errors={} \
-         redelivered_after_ack={} rewinds_repeated={} dropped_in_flight={}",
+         redelivered_after_ack={} rewinds_repeated={} dropped_in_flight={} \
+         redelivered_after_success={}",
         r.index,
         r.stat("succeeded"),
         r.stat("failed"),
@@ -1391,6 +1392,7 @@ fn worker_stats_note(r: &WorkerRun) -> String {
         r.stat("redelivered_after_ack"),
         r.stat("rewinds_repeated"),
         r.stat("dropped_in_flight"),
+        r.stat("redelivered_after_success"),
     )
 }
 
