@@ -121,13 +121,7 @@ fn every_message_of_several_prioritised_topics_is_processed_and_acked_once(kind:
         for topic in &topics {
             produce(topic, (0..20).map(|n| n.to_string())).await;
         }
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(4)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(4)).await;
         let seen = Seen::default();
         for (priority, topic) in topics.iter().enumerate() {
             let options = shared(&subscription, priority as i64 * 10).consumer_options(
@@ -177,7 +171,7 @@ fn a_failed_message_is_redelivered_after_the_negative_ack_delay(kind: TopicKind)
     run_local(Duration::from_secs(60), async {
         let topic = fresh_topic("redeliver", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let attempts: Rc<RefCell<Vec<(String, std::time::Instant)>>> = Rc::default();
         let record = attempts.clone();
         dispatcher
@@ -244,7 +238,7 @@ fn repeated_rewinds(kind: TopicKind, subscription_type: SubType) {
     run_local(Duration::from_secs(60), async {
         let topic = fresh_topic("rewind", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let attempts: Rc<RefCell<Vec<String>>> = Rc::default();
         let record = attempts.clone();
         dispatcher
@@ -314,7 +308,7 @@ fn nothing_left_behind(kind: TopicKind, subscription_type: SubType) {
         let subscription = unique_name("sub");
         let total = 40;
         produce(&topic, (0..total).map(|n| n.to_string())).await;
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let attempts: Rc<RefCell<Vec<u32>>> = Rc::default();
         let record = attempts.clone();
         dispatcher
@@ -365,13 +359,7 @@ fn no_second_run_while_handled(kind: TopicKind, subscription_type: SubType) {
     run_local(Duration::from_secs(60), async {
         let topic = fresh_topic("in-flight", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(10)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(10)).await;
         // (payload, the topic or partition it came from), per attempt.
         let attempts: Rc<RefCell<Vec<(String, String)>>> = Rc::default();
         let (record, gate) = (attempts.clone(), Rc::new(Notify::new()));
@@ -459,13 +447,7 @@ fn with_a_slow_handler_the_backlog_stays_on_the_broker(kind: TopicKind) {
     run_local(Duration::from_secs(60), async {
         let topic = fresh_topic("backpressure", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(1)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
         let release = Rc::new(Notify::new());
         let released = Rc::new(std::cell::Cell::new(false));
         let handled = Rc::new(std::cell::Cell::new(0usize));
@@ -539,13 +521,7 @@ fn shutdown_under_load(kind: TopicKind, subscription_type: SubType) {
             }
         };
 
-        let first = Rc::new(
-            Dispatcher::builder()
-                .concurrency(8)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let first = common::dispatcher_with(Dispatcher::builder().concurrency(8)).await;
         first
             .subscribe(&topic, slow_recorder(), options())
             .await
@@ -562,7 +538,7 @@ fn shutdown_under_load(kind: TopicKind, subscription_type: SubType) {
             "the first dispatcher was stopped mid-way"
         );
 
-        let second = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let second = common::dispatcher().await;
         second
             .subscribe(&topic, slow_recorder(), options())
             .await
@@ -604,7 +580,7 @@ fn batch_acked_once_all_succeeded(kind: TopicKind, subscription_type: SubType) {
     run_local(Duration::from_secs(90), async {
         let topic = fresh_topic("batch", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let holding = Holding::default();
         let handled = holding.handled.clone();
         dispatcher
@@ -665,7 +641,7 @@ fn nacked_batch_runs_only_failed_members(kind: TopicKind, subscription_type: Sub
     run_local(Duration::from_secs(90), async {
         let topic = fresh_topic("nacked-batch", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let attempts: Rc<RefCell<BTreeMap<String, u32>>> = Rc::default();
         let handler = {
             let attempts = attempts.clone();
@@ -736,7 +712,7 @@ fn no_settled_member_runs_again(kind: TopicKind, subscription_type: SubType) {
     run_local(Duration::from_secs(90), async {
         let topic = fresh_topic("pending-batch", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let holding = Holding::default();
         let handled = holding.handled.clone();
         let options = shared(&subscription, 1)
@@ -796,7 +772,7 @@ fn the_ack_timeout_leaves_an_acked_batch_alone(kind: TopicKind) {
     run_local(Duration::from_secs(90), async {
         let topic = fresh_topic("ack-timeout", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let holding = Holding::default();
         let handled = holding.handled.clone();
         let options = shared(&subscription, 1)
@@ -853,7 +829,7 @@ fn every_message_of_a_non_persistent_topic_is_handled() {
                         admin_request("PUT", &path, Some(&partitions.to_string())).unwrap();
                     assert!((200..300).contains(&status), "HTTP {status}: {body}");
                 }
-                let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+                let dispatcher = common::dispatcher().await;
                 let seen = Seen::default();
                 let options = SubscribeOptions::new()
                     .subscription(unique_name("sub"))

@@ -98,7 +98,7 @@ fn close_within_returns_with_a_hung_handler_and_its_message_comes_back() {
                 .subscription(&subscription)
                 .subscription_type(SubType::Shared)
         };
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let started = Rc::new(std::cell::Cell::new(false));
         let flag = started.clone();
         dispatcher
@@ -138,7 +138,7 @@ fn close_within_returns_with_a_hung_handler_and_its_message_comes_back() {
             Err(Error::HandlersCancelled { cancelled: 1 })
         ));
         // Nacked, not acked: another consumer gets it.
-        let second = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let second = common::dispatcher().await;
         let redelivered = Rc::new(std::cell::Cell::new(false));
         let flag = redelivered.clone();
         second

@@ -356,13 +356,11 @@ fn python_retries_then_this_library_dead_letters_to_the_python_subscriptions_dlq
         let stamped = chain.original_dlq_as_written();
         let mut original_dlq = reader(&chain.original_dlq()).await;
         let mut own_dlq = reader(&chain.retry_subscriptions_own_dlq()).await;
-        let dispatcher = Rc::new(
+        let dispatcher = common::dispatcher_with(
             Dispatcher::builder()
-                .dead_letter_targets(DeadLetterTargets::known().allow(&stamped).unwrap())
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+                .dead_letter_targets(DeadLetterTargets::known().allow(&stamped).unwrap()),
+        )
+        .await;
         let seen = Seen::default();
         dispatcher
             .subscribe(
@@ -470,13 +468,10 @@ fn this_library_retries_then_python_dead_letters_to_our_subscriptions_dlq(names:
         let mut original_dlq = reader(&chain.original_dlq()).await;
         let mut own_dlq = reader(&chain.retry_subscriptions_own_dlq()).await;
         // The Python side consumes the retry topic.
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .retry_topic_check(RetryTopicCheck::Ignore)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(
+            Dispatcher::builder().retry_topic_check(RetryTopicCheck::Ignore),
+        )
+        .await;
         let seen = Seen::default();
         dispatcher
             .subscribe(
@@ -591,7 +586,7 @@ fn a_python_dead_letter_topic_that_is_not_allowed_is_not_trusted() {
         let chain = Chain::new(Names::Short);
         let mut original_dlq = reader(&chain.original_dlq()).await;
         let mut own_dlq = reader(&chain.retry_subscriptions_own_dlq()).await;
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let seen = Seen::default();
         dispatcher
             .subscribe(
@@ -687,7 +682,7 @@ fn a_dead_letter_policy_gives_as_many_tries_as_the_python_original() {
         let topic = unique_name("orders-rs");
         let dlq = full(&format!("{topic}-DLQ"));
         let mut dead_letters = reader(&dlq).await;
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let seen = Seen::default();
         let options = SubscribeOptions::new()
             .subscription("orders-sub")

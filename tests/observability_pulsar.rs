@@ -18,9 +18,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use common::{
-    close_and_join, pulsar_url, run_local, start, unique_name, unique_topic, wait_for_stats,
-};
+use common::{close_and_join, run_local, start, unique_name, unique_topic, wait_for_stats};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use pulsar_dispatcher::{Dispatcher, ErrorClass, Message, SubType, SubscribeOptions};
 use tokio::net::TcpListener;
@@ -385,15 +383,13 @@ fn scraped_counters_match_the_outcomes_of_every_message() {
         .expect("the process's one recorder");
     run_local(Duration::from_secs(240), async move {
         let names = Names::new();
-        let dispatcher = Rc::new(
+        let dispatcher = common::dispatcher_with(
             Dispatcher::builder()
                 .concurrency(4)
                 .timings(true)
-                .metrics_interval(Some(Duration::from_millis(100)))
-                .connect(&pulsar_url())
-                .await
-                .expect("connect"),
-        );
+                .metrics_interval(Some(Duration::from_millis(100))),
+        )
+        .await;
         subscribe_both(&dispatcher, &names).await;
         let run = start(&dispatcher);
         let address = serve(prometheus, &dispatcher).await;

@@ -15,8 +15,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    add_partitions, close_and_join, create_partitioned_topic, fresh_topic, pulsar_url, run_local,
-    start, unique_name, wait_for_empty_backlog, wait_until, TopicKind,
+    add_partitions, close_and_join, create_partitioned_topic, fresh_topic, run_local, start,
+    unique_name, wait_for_empty_backlog, wait_until, TopicKind,
 };
 use pulsar::consumer::InitialPosition;
 use pulsar::ConsumerOptions;
@@ -45,7 +45,7 @@ fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name()
             create_partitioned_topic(&short_name, PARTITIONS);
             let subscription = unique_name("sub");
             common::publish(&short_name, common::keyed_messages(60, 7)).await;
-            let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+            let dispatcher = common::dispatcher().await;
             let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
             let record = handled.clone();
             dispatcher
@@ -108,7 +108,7 @@ fn partitions_added_while_running_are_consumed_and_acked() {
 async fn consume_partitions_added_while_running(subscription_type: SubType) {
     let topic = fresh_topic("grows", TopicKind::Partitioned(2));
     let subscription = unique_name("sub");
-    let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+    let dispatcher = common::dispatcher().await;
     let handled: Rc<RefCell<Vec<(String, usize)>>> = Rc::default();
     let record = handled.clone();
     dispatcher
@@ -186,13 +186,7 @@ fn key_shared_on_a_partitioned_topic_keeps_each_key_on_one_dispatcher_in_order()
         let mut runs = Vec::new();
         for index in 0..2 {
             // Concurrency 1: handling order is receive order.
-            let dispatcher = Rc::new(
-                Dispatcher::builder()
-                    .concurrency(1)
-                    .connect(&pulsar_url())
-                    .await
-                    .unwrap(),
-            );
+            let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
             let record = handled.clone();
             dispatcher
                 .subscribe(
@@ -275,7 +269,7 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
             }
         };
         for round in 0..20 {
-            let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+            let dispatcher = common::dispatcher().await;
             tokio::time::timeout(
                 Duration::from_secs(10),
                 dispatcher.subscribe(&topic, handler(), options()),
@@ -303,7 +297,7 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
             run.await.unwrap().unwrap();
         }
         // The rest, by one more dispatcher.
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         dispatcher
             .subscribe(&topic, handler(), options())
             .await
@@ -334,7 +328,7 @@ fn subscribing_over_a_backlog_never_hangs_twenty_times_in_a_row() {
 fn an_unnamed_subscription_is_one_subscription_across_the_partitions() {
     run_local(Duration::from_secs(120), async {
         let topic = fresh_topic("unnamed", TopicKind::Partitioned(PARTITIONS));
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
         let record = handled.clone();
         dispatcher
@@ -403,13 +397,7 @@ async fn handle_through_an_unload(subscription_type: SubType) {
     let topic = fresh_topic("unloaded", TopicKind::Partitioned(PARTITIONS));
     let subscription = unique_name("unloaded-sub");
     common::publish(&topic, common::keyed_messages(MESSAGES, 7)).await;
-    let dispatcher = Rc::new(
-        Dispatcher::builder()
-            .concurrency(8)
-            .connect(&pulsar_url())
-            .await
-            .unwrap(),
-    );
+    let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(8)).await;
     let handled: Rc<RefCell<BTreeMap<usize, usize>>> = Rc::default();
     let running: Rc<RefCell<BTreeSet<usize>>> = Rc::default();
     let at_once: Rc<RefCell<BTreeSet<usize>>> = Rc::default();

@@ -140,7 +140,7 @@ fn a_fatal_error_lands_in_the_dead_letter_topic_intact(kind: TopicKind) {
         let subscription = unique_name("orders-sub");
         let dead_letter_topic = format!("{topic}-{subscription}-DLQ");
         let mut dead_letters = reader(&dead_letter_topic).await;
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         dispatcher
             .subscribe(&topic, fail_as_told, shared(&subscription))
             .await
@@ -182,7 +182,7 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic(k
         let subscription = unique_name("orders-sub");
         let dead_letter_topic = format!("{topic}-{subscription}-DLQ");
         let mut dead_letters = reader(&dead_letter_topic).await;
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         // (when, topic, RECONSUMETIMES) of every handler call.
         type Attempts = Rc<RefCell<Vec<(Instant, String, Option<String>)>>>;
         let attempts: Attempts = Rc::default();
@@ -244,7 +244,7 @@ fn a_reply_is_published_before_the_original_is_acked(kind: TopicKind) {
         let reply_topic = fresh_topic("thumbnails", kind);
         let subscription = unique_name("resizer");
         let mut replies = reader(&reply_topic).await;
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         dispatcher
             .subscribe(
                 &topic,
@@ -284,13 +284,7 @@ fn a_burst_of_replies_larger_than_the_clients_send_queue_is_all_published(kind: 
             }),
         )
         .await;
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(total)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(total)).await;
         dispatcher
             .subscribe(
                 &topic,
@@ -332,13 +326,7 @@ fn a_topic_family_subscribes_the_documented_topics_and_priorities(kind: TopicKin
     run_local(Duration::from_secs(90), async {
         let prefix = unique_name("orders").replace('-', "");
         let subscription = unique_name("orders-sub");
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(1)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
         let handled: Rc<RefCell<Vec<String>>> = Rc::default();
         let record = handled.clone();
         let family = TopicFamily::<Level, Lane>::new(&prefix).retry_sublevel(Lane::Retry);
@@ -403,13 +391,10 @@ fn a_retried_message_carries_the_java_retry_letter_properties_for_python(kind: T
         let retry_topic = format!("{topic}-retry");
         let subscription = unique_name("orders-sub");
         // Another service (here, Python) consumes the retry topic.
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .retry_topic_check(RetryTopicCheck::Ignore)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(
+            Dispatcher::builder().retry_topic_check(RetryTopicCheck::Ignore),
+        )
+        .await;
         dispatcher
             .subscribe(
                 &topic,

@@ -39,13 +39,7 @@ fn a_subscription_added_and_removed_under_load_loses_nothing_and_others_flow() {
         let total = 600;
         common::publish(&steady, common::keyed_messages(total, 7)).await;
         common::publish(&visiting, common::keyed_messages(total, 7)).await;
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(8)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(8)).await;
         let steady_seen: Rc<RefCell<Vec<usize>>> = Rc::default();
         let visiting_seen: Rc<RefCell<Vec<usize>>> = Rc::default();
         let slow_recorder = |seen: &Rc<RefCell<Vec<usize>>>| {
@@ -223,13 +217,7 @@ fn max_in_flight_is_honoured_on_the_broker() {
         let topic = fresh_topic("capped", TopicKind::Partitioned(2));
         let subscription = unique_name("sub");
         common::publish(&topic, common::keyed_messages(200, 10)).await;
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(20)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(20)).await;
         let running = Rc::new(Cell::new(0usize));
         let most = Rc::new(Cell::new(0usize));
         let handled = Rc::new(Cell::new(0usize));
@@ -269,13 +257,7 @@ fn a_priority_changed_mid_run_reorders_the_work_that_follows() {
         let subscription = unique_name("sub");
         common::publish(&first, common::keyed_messages(30, 1)).await;
         common::publish(&second, common::keyed_messages(30, 1)).await;
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(1)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
         let order: Rc<RefCell<Vec<char>>> = Rc::default();
         let recorder = |tag: char| {
             let order = order.clone();

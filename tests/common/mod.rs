@@ -415,6 +415,24 @@ pub fn run_local<F: Future>(limit: Duration, fut: F) -> F::Output {
 }
 
 /// A `pulsar` client for the test broker on the current (tokio) runtime.
+/// A dispatcher on the test broker with the default options, in an `Rc`
+/// so that [`start`] can run it while the test holds it.
+pub async fn dispatcher() -> std::rc::Rc<pulsar_dispatcher::Dispatcher> {
+    dispatcher_with(pulsar_dispatcher::Dispatcher::builder()).await
+}
+
+/// A dispatcher on the test broker, as `builder` says.
+pub async fn dispatcher_with(
+    builder: pulsar_dispatcher::DispatcherBuilder,
+) -> std::rc::Rc<pulsar_dispatcher::Dispatcher> {
+    let url = pulsar_url();
+    let dispatcher = builder
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("connecting a dispatcher to {url}: {e}"));
+    std::rc::Rc::new(dispatcher)
+}
+
 pub async fn client() -> pulsar::Pulsar<pulsar::TokioExecutor> {
     let url = pulsar_url();
     pulsar::Pulsar::builder(url.clone(), pulsar::TokioExecutor)
