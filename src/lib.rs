@@ -90,7 +90,7 @@
 //!   workers that run handlers in place, settles, and shuts down.
 //! - [`Dispatcher`], [`SubscribeOptions`], [`TopicFamily`] and
 //!   [`ErrorClass`]: the public API.
-//! - [`per_core`]: one dispatcher per core, with one shutdown for all.
+//! - [`per_core`]: one dispatcher per core, with one shutdown and one monitor for all.
 //!
 //! `docs/architecture.md` in the repository walks through the data path and
 //! its invariants.

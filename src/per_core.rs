@@ -7,7 +7,8 @@
 //! may create `!Send` state there) and returns it subscribed; point the
 //! dispatchers at Shared or Key_Shared subscriptions and the broker spreads
 //! the messages across them. All start together or not at all, and one
-//! [`Shutdown`] handle, `Send` and cheap to clone, closes them all.
+//! [`Shutdown`] handle, `Send` and cheap to clone, closes them all; a
+//! [`Monitor`], just as portable, reads their health and stats.
 //!
 //! ```no_run
 //! use pulsar_dispatcher::per_core::{self, PerCore};
@@ -26,6 +27,7 @@
 //!     Ok(dispatcher)
 //! })?;
 //! let shutdown = group.shutdown_handle();
+//! let monitor = group.monitor(); // `monitor.health().await.is_ready()` in a probe
 //! // ... later, from any thread:
 //! shutdown.shutdown();
 //! for (core, result) in group.join().into_iter().enumerate() {
@@ -35,6 +37,8 @@
 //! }
 //! # Ok::<(), pulsar_dispatcher::Error>(())
 //! ```
+
+mod monitor;
 
 use std::future::Future;
 use std::sync::mpsc;
@@ -47,6 +51,8 @@ use tracing::{debug, warn};
 use crate::dispatcher::Dispatcher;
 use crate::error::Error;
 use crate::transport::Transport;
+use monitor::Queries;
+pub use monitor::{GroupHealth, Monitor};
 
 /// The number of cores this process may use
 /// ([`std::thread::available_parallelism`]), or 1 if it cannot be told.
@@ -99,6 +105,7 @@ impl Shutdown {
 pub struct PerCore {
     workers: Vec<JoinHandle<Result<(), Error>>>,
     shutdown: Shutdown,
+    monitor: Monitor,
 }
 
 impl std::fmt::Debug for PerCore {
@@ -138,15 +145,16 @@ impl PerCore {
         let shutdown = Shutdown {
             command: Arc::new(command),
         };
+        let (monitor, queries) = Monitor::new(cores);
         let (ready_tx, ready_rx) = mpsc::channel();
         let mut workers = Vec::with_capacity(cores);
-        for core in 0..cores {
+        for (core, queries) in queries.into_iter().enumerate() {
             let factory = factory.clone();
             let worker_shutdown = shutdown.clone();
             let ready = ready_tx.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("pulsar-dispatcher-{core}"))
-                .spawn(move || worker(core, &*factory, worker_shutdown, ready));
+                .spawn(move || worker(core, &*factory, worker_shutdown, ready, queries));
             match spawned {
                 Ok(worker) => workers.push(worker),
                 Err(error) => {
@@ -163,7 +171,11 @@ impl PerCore {
         drop(ready_tx);
         // Each worker reports once (or drops its sender by panicking).
         let all_built = ready_rx.iter().take(cores).filter(|built| *built).count() == cores;
-        let group = PerCore { workers, shutdown };
+        let group = PerCore {
+            workers,
+            shutdown,
+            monitor,
+        };
         if all_built {
             group.shutdown.command.send_if_modified(|command| {
                 let go = *command == Command::Prepare;
@@ -182,6 +194,12 @@ impl PerCore {
     /// A handle that shuts the whole group down.
     pub fn shutdown_handle(&self) -> Shutdown {
         self.shutdown.clone()
+    }
+
+    /// A handle that reads every dispatcher's health and stats from any
+    /// thread; it outlives the group.
+    pub fn monitor(&self) -> Monitor {
+        self.monitor.clone()
     }
 
     /// How many dispatchers the group has.
@@ -249,6 +267,7 @@ fn worker<F, Fut, T>(
     factory: &F,
     shutdown: Shutdown,
     ready: mpsc::Sender<bool>,
+    queries: Queries,
 ) -> Result<(), Error>
 where
     F: Fn(usize) -> Fut,
@@ -272,6 +291,8 @@ where
             }
         };
         report.send(true);
+        // Only this thread may look at the dispatcher: monitors ask here.
+        tokio::task::spawn_local(queries.answer(core, dispatcher.close_handle()));
         let mut commands = shutdown.command.subscribe();
         let command = *commands
             .wait_for(|command| *command != Command::Prepare)

@@ -1,7 +1,8 @@
 //! One dispatcher per core against a real broker: two dispatchers, each on
 //! its own thread with its own runtime and connection, share a Shared
-//! subscription; every message is processed, none twice, and one shutdown
-//! closes both; on a plain topic and on a partitioned one.
+//! subscription; every message is processed, none twice, and counted in
+//! the group's stats, and one shutdown closes both; on a plain topic and on
+//! a partitioned one.
 
 mod common;
 
@@ -94,6 +95,22 @@ fn two_dispatchers_share_a_subscription_and_process_every_message_once(kind: com
     while seen.lock().unwrap().len() < MESSAGES && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Read from outside the group's threads. A handler records its message
+    // just before its success is counted: wait for the last count.
+    let monitor = group.monitor();
+    let succeeded = common::run_local(Duration::from_secs(30), async {
+        loop {
+            let stats = monitor.stats().await;
+            let succeeded: u64 = stats.iter().flatten().map(|s| s.total().succeeded).sum();
+            if succeeded >= MESSAGES as u64 {
+                break succeeded;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    assert_eq!(succeeded, MESSAGES as u64, "counted over both cores");
+    let health = common::run_local(Duration::from_secs(10), monitor.health());
+    assert!(health.is_ready(), "{health:?}");
     let shutdown = group.shutdown_handle();
     // The handle is Send: shut down from another thread.
     std::thread::spawn(move || shutdown.shutdown())
@@ -104,6 +121,8 @@ fn two_dispatchers_share_a_subscription_and_process_every_message_once(kind: com
     for (core, result) in results.into_iter().enumerate() {
         assert!(result.is_ok(), "dispatcher {core} failed: {result:?}");
     }
+    let health = common::run_local(Duration::from_secs(10), monitor.health());
+    assert!(!health.is_live(), "{health:?}");
 
     let seen = seen.lock().unwrap();
     assert_eq!(seen.len(), MESSAGES, "every message is processed");

@@ -10,6 +10,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use metrics_util::MetricKind;
 
 use super::{dispatcher, gated, options, run_local, settle_down, spawn_run, Gate};
+use crate::per_core::PerCore;
 use crate::transport::MemoryTransport;
 use crate::{Dispatcher, ErrorClass, HealthPhase, Message, SubType, SubscribeOptions};
 
@@ -636,4 +637,84 @@ fn handlers_running_leave_out_permits_kept_between_messages() {
             "(stats, health, sum over subscriptions)"
         );
     });
+}
+
+/// A per-core group's monitor, awaited on a runtime of its own: every core
+/// reports running and ready, and counts the messages it handled; once the
+/// group is joined, every core reads as gone, at once.
+#[test]
+fn a_per_core_monitor_reports_every_core_until_the_group_ends() {
+    const SENT: [u64; 2] = [3, 5];
+    let group = PerCore::start(2, |core| async move {
+        let transport = MemoryTransport::new();
+        for index in 0..SENT[core] {
+            transport.send("jobs", format!("{core}-{index}"));
+        }
+        let dispatcher = Dispatcher::builder().build(transport)?;
+        let handler = async |_: &Message| Ok::<(), std::convert::Infallible>(());
+        dispatcher
+            .subscribe("jobs", handler, SubscribeOptions::new())
+            .await?;
+        Ok(dispatcher)
+    })
+    .unwrap();
+    let monitor = group.monitor();
+    portable(&monitor);
+    let probe = monitor.clone();
+    // Readiness and the counts come a moment after the start.
+    let (health, handled) = on_another_runtime(async move {
+        loop {
+            let (health, handled) = (probe.health().await, succeeded(&probe.stats().await));
+            if health.is_ready() && handled.iter().sum::<u64>() == SENT.iter().sum() {
+                break (health, handled);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    assert_eq!(handled, SENT, "by core");
+    let phases: Vec<_> = health
+        .cores
+        .iter()
+        .map(|h| h.as_ref().map(|h| h.phase))
+        .collect();
+    assert_eq!(phases, [Some(HealthPhase::Running); 2]);
+
+    group.shutdown_handle().shutdown();
+    for result in group.join() {
+        result.unwrap();
+    }
+    let (health, stats) =
+        on_another_runtime(async move { (monitor.health().await, monitor.stats().await) });
+    assert_eq!(health.cores, [None, None]);
+    assert!(!health.is_live());
+    assert_eq!(stats, [None, None]);
+}
+
+/// What a probe running elsewhere needs of the monitor.
+fn portable<T: Send + Sync + Clone + std::fmt::Debug + 'static>(_: &T) {}
+
+/// Each core's handled messages; 0 for a core that did not answer.
+fn succeeded(stats: &[Option<crate::DispatcherStats>]) -> Vec<u64> {
+    let handled =
+        |stats: &Option<crate::DispatcherStats>| stats.as_ref().map_or(0, |s| s.total().succeeded);
+    stats.iter().map(handled).collect()
+}
+
+/// Runs `probe` as a task (so its future must be `Send`) on a
+/// multi-threaded runtime of its own, failing after 30 s instead of hanging.
+fn on_another_runtime<F>(probe: F) -> F::Output
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send,
+{
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let probe = async { tokio::time::timeout(Duration::from_secs(30), probe).await };
+    runtime
+        .block_on(async { tokio::spawn(probe).await })
+        .unwrap()
+        .expect("the monitor answered within 30 s")
 }
