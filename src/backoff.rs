@@ -5,7 +5,7 @@
 //! curves here cost the same for retry 1 and retry `u32::MAX` and never
 //! overflow: the exponent is applied in floating point and capped.
 
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::Error;
@@ -70,11 +70,11 @@ fn exponential(initial: Duration, multiplier: f64, maximum: Duration, retry: u32
 
 /// A backoff curve as stored in the options.
 #[derive(Clone)]
-pub(crate) struct Backoff(Rc<dyn Fn(u32) -> Duration>);
+pub(crate) struct Backoff(Arc<dyn Fn(u32) -> Duration + Send + Sync>);
 
 impl Backoff {
-    pub(crate) fn new(curve: impl Fn(u32) -> Duration + 'static) -> Self {
-        Backoff(Rc::new(curve))
+    pub(crate) fn new(curve: impl Fn(u32) -> Duration + Send + Sync + 'static) -> Self {
+        Backoff(Arc::new(curve))
     }
 
     pub(crate) fn delay(&self, retry: u32) -> Duration {

@@ -7,7 +7,7 @@
 
 use std::error::Error as StdError;
 use std::fmt;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// A set of handler errors, used to route failures to dead-lettering or to
 /// delayed retries.
@@ -67,10 +67,10 @@ use std::rc::Rc;
 /// ```
 #[derive(Clone)]
 pub struct ErrorClass {
-    matches: Rc<Predicate>,
+    matches: Arc<Predicate>,
 }
 
-type Predicate = dyn Fn(&(dyn StdError + 'static)) -> bool;
+type Predicate = dyn Fn(&(dyn StdError + 'static)) -> bool + Send + Sync;
 
 impl ErrorClass {
     /// Errors of type `E`, and errors whose `source()` chain contains one.
@@ -88,9 +88,11 @@ impl ErrorClass {
     }
 
     /// Errors for which `predicate` returns true.
-    pub fn matching(predicate: impl Fn(&(dyn StdError + 'static)) -> bool + 'static) -> Self {
+    pub fn matching(
+        predicate: impl Fn(&(dyn StdError + 'static)) -> bool + Send + Sync + 'static,
+    ) -> Self {
         ErrorClass {
-            matches: Rc::new(predicate),
+            matches: Arc::new(predicate),
         }
     }
 

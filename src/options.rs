@@ -215,7 +215,10 @@ impl SubscribeOptions {
     /// The delay before retry number `n` (starting at 1); by default
     /// [`default_backoff`]. See also
     /// [`exponential_backoff`](crate::exponential_backoff).
-    pub fn retry_backoff(mut self, backoff: impl Fn(u32) -> Duration + 'static) -> Self {
+    pub fn retry_backoff(
+        mut self,
+        backoff: impl Fn(u32) -> Duration + Send + Sync + 'static,
+    ) -> Self {
         self.retry_backoff = Some(Backoff::new(backoff));
         self
     }

@@ -14,17 +14,21 @@
 //! use pulsar_dispatcher::per_core::{self, PerCore};
 //! use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 //!
-//! let group = PerCore::start(per_core::available_cores(), |core| async move {
-//!     let dispatcher = Dispatcher::connect("pulsar://127.0.0.1:6650").await?;
-//!     let options = SubscribeOptions::new()
-//!         .subscription("orders-workers")
-//!         .subscription_type(SubType::Shared);
-//!     let handler = async move |message: &Message| {
-//!         println!("core {core}: {}", message.id());
-//!         Ok::<(), std::convert::Infallible>(())
-//!     };
-//!     dispatcher.subscribe("orders", handler, options).await?;
-//!     Ok(dispatcher)
+//! // Configuration is `Send + Sync`: built once, cloned for every core.
+//! let options = SubscribeOptions::new()
+//!     .subscription("orders-workers")
+//!     .subscription_type(SubType::Shared);
+//! let group = PerCore::start(per_core::available_cores(), move |core| {
+//!     let options = options.clone();
+//!     async move {
+//!         let dispatcher = Dispatcher::connect("pulsar://127.0.0.1:6650").await?;
+//!         let handler = async move |message: &Message| {
+//!             println!("core {core}: {}", message.id());
+//!             Ok::<(), std::convert::Infallible>(())
+//!         };
+//!         dispatcher.subscribe("orders", handler, options).await?;
+//!         Ok(dispatcher)
+//!     }
 //! })?;
 //! let shutdown = group.shutdown_handle();
 //! let monitor = group.monitor(); // `monitor.health().await.is_ready()` in a probe

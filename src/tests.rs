@@ -139,6 +139,23 @@ fn spawn_run<T: crate::transport::Transport>(
 }
 
 #[test]
+fn the_configuration_types_can_be_built_once_and_shared_by_every_core() {
+    // `PerCore` factories are `Send + Sync`: what they capture must be too.
+    fn shareable<T: Send + Sync + Clone>(_: &T) {}
+    let options = SubscribeOptions::new()
+        .retry_errors(crate::ErrorClass::of::<std::io::Error>())
+        .retry_backoff(|retry| Duration::from_millis(10 * u64::from(retry)));
+    shareable(&options);
+    shareable(&Dispatcher::builder().concurrency(4));
+    shareable(&crate::DeadLetterTargets::known());
+    shareable(&crate::SchedulingPolicy::Strict);
+    let from_another_thread = std::thread::spawn(move || options.clone())
+        .join()
+        .expect("the options cross threads");
+    assert!(format!("{from_another_thread:?}").contains("retry_errors"));
+}
+
+#[test]
 fn messages_waiting_in_several_subscriptions_go_out_in_priority_order() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(1);
