@@ -85,7 +85,7 @@ fn retried_and_nacked(kind: TopicKind, subscription_type: SubType) {
         let topic = fresh_topic("batch-retry", kind);
         let retry_topic = unique_topic("batch-retry-r");
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let log = Log::default();
         let handler = {
             let log = log.clone();
@@ -220,7 +220,7 @@ fn a_dead_letter_policy_dead_letters_only_the_failing_member_of_a_batch(kind: To
         let topic = fresh_topic("batch-dlp", kind);
         let dlq = unique_topic("batch-dlp-dlq");
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let log = Log::default();
         let dead = Log::default();
         let handler = {
@@ -309,13 +309,7 @@ fn key_ordering_holds_inside_a_batch_of_several_keys(kind: TopicKind) {
     run_local(Duration::from_secs(90), async {
         let topic = fresh_topic("batch-keys", kind);
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(8)
-                .connect(&pulsar_url())
-                .await
-                .unwrap(),
-        );
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(8)).await;
         let log = Log::default();
         let running: Rc<RefCell<BTreeMap<String, usize>>> = Rc::default();
         let overlaps = Rc::new(std::cell::Cell::new(0));
@@ -412,7 +406,7 @@ fn each_batched_request_gets_one_reply(kind: TopicKind) {
         let topic = fresh_topic("batch-requests", kind);
         let reply_topic = unique_topic("batch-replies");
         let subscription = unique_name("sub");
-        let dispatcher = Rc::new(Dispatcher::connect(&pulsar_url()).await.unwrap());
+        let dispatcher = common::dispatcher().await;
         let log = Log::default();
         let replies = Log::default();
         let handler = {
