@@ -491,7 +491,7 @@ impl<T: Transport> Dispatcher<T> {
     /// returns how many handlers were cancelled. A reply, retry or dead
     /// letter being published at `limit` for a handler that had returned
     /// gets [`PUBLISH_GRACE`](crate::PUBLISH_GRACE) more. A limit beyond
-    /// [`MAX_DURATION`](crate::MAX_DURATION) counts as none.
+    /// [`MAX_DURATION`](crate::MAX_DURATION) is cut to it.
     pub async fn close_within(&self, limit: Duration) -> usize {
         self.engine.close_within(limit).await
     }

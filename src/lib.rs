@@ -81,7 +81,8 @@
 //!
 //! # Layout
 //!
-//! - [`scheduler`]: the pure scheduler (priority buckets, slots, permits).
+//! - `scheduler` (internal, hidden from these docs; its policy types are
+//!   re-exported): the pure scheduler (priority buckets, slots, permits).
 //! - [`transport`]: the seam to the broker, with the Pulsar and in-memory
 //!   implementations.
 //! - [`routing`]: what happens after a handler returns: replies, delayed

@@ -260,6 +260,10 @@ pub trait Producer: 'static {
     /// calls are allowed.
     async fn send(&self, message: OutgoingMessage) -> Result<(), TransportError>;
 
-    /// Closes the producer; called during shutdown.
+    /// Closes the producer; called during shutdown, and earlier once the
+    /// dispatcher no longer needs it (no subscription publishes with it
+    /// after an unsubscribe or a failed subscribe, or it is among the
+    /// producers only messages' DEAD_LETTER_TOPIC asked for, past the 16
+    /// kept).
     async fn close(&self) -> Result<(), TransportError>;
 }
