@@ -8,6 +8,7 @@ mod bench;
 mod broker;
 mod chaos;
 mod http;
+mod layers;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -27,7 +28,8 @@ commands:
                    suite `chaos --quick`), stop the broker it started.
                    With ARGS, runs `cargo test ARGS` instead of all three
                    (e.g. `cargo xtask test --test smoke_pulsar`).
-  lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings
+  lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings, no
+                   import cycle among the files of src/
   demo [priority|observability]
                    start a broker if needed and run `cargo run --example simple_dispatcher`
                    (or `priority_dispatcher`, or `observability`) with DEMO_MESSAGES
@@ -431,6 +433,10 @@ fn cmd_lint(paths: &Paths) -> Result<(), String> {
         if !run_status(cmd)?.success() {
             failures.push(what);
         }
+    }
+    info("checking that no file of src/ depends on one that depends on it");
+    for group in layers::cycles(&paths.root.join("src"))? {
+        failures.push(format!("an import cycle among {}", group.join(", ")));
     }
     if failures.is_empty() {
         info("lint passed");
