@@ -117,8 +117,9 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// This dispatcher already consumes the topic with a subscription of
-    /// that name: a second consumer of it would wait for ever on an
+    /// This dispatcher already consumes the topic (or, for a partition, its
+    /// partitioned topic; for a partitioned topic, one of its partitions)
+    /// with a subscription of that name: a second consumer of it would wait for ever on an
     /// Exclusive or Failover subscription, and on a Shared one take turns
     /// with the first at another priority. Change the existing one's
     /// priority instead, or use another subscription name.

@@ -41,6 +41,28 @@ pub fn full_topic_name(name: &str) -> Result<String, Error> {
     }
 }
 
+/// What a partition's name adds to its partitioned topic's, before the
+/// partition's index (`orders-partition-3`).
+const PARTITION_SUFFIX: &str = "-partition-";
+
+/// The partitioned topic that a partition's full name belongs to, read as
+/// Pulsar's clients and broker read it (`.../orders` for
+/// `.../orders-partition-3`), or `None` for a name that is no partition's.
+fn partitioned_topic_of(full_name: &str) -> Option<&str> {
+    let (topic, index) = full_name.rsplit_once(PARTITION_SUFFIX)?;
+    let is_index = !index.is_empty() && index.bytes().all(|byte| byte.is_ascii_digit());
+    is_index.then_some(topic)
+}
+
+/// Whether two full topic names name one topic, or one names a partition
+/// of the other: consumers of both, with one subscription name, share the
+/// partition's messages.
+pub(crate) fn overlap(first: &str, second: &str) -> bool {
+    first == second
+        || partitioned_topic_of(first) == Some(second)
+        || partitioned_topic_of(second) == Some(first)
+}
+
 /// Whether a full topic name is of a non-persistent topic: one whose
 /// broker keeps nothing to deliver again, and which gives its messages no
 /// ids of their own (every message of a partition is `0:0`).
@@ -66,6 +88,24 @@ mod tests {
             full_topic_name("non-persistent://public/default/x").unwrap(),
             "non-persistent://public/default/x"
         );
+    }
+
+    #[test]
+    fn a_topic_overlaps_itself_and_its_partitions_only() {
+        let orders = "persistent://public/default/orders";
+        let partition = "persistent://public/default/orders-partition-2";
+        assert!(overlap(orders, orders));
+        assert!(overlap(orders, partition));
+        assert!(overlap(partition, orders));
+        for other in [
+            "persistent://public/default/orders-partition-1",
+            "persistent://public/default/orders-partition-",
+            "persistent://public/default/orders-partition-x",
+            "persistent://public/default/order",
+            "non-persistent://public/default/orders",
+        ] {
+            assert!(!overlap(partition, other), "{partition} and {other}");
+        }
     }
 
     #[test]

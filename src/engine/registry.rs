@@ -16,6 +16,7 @@ use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{HandlerError, IntoReply, SubscriptionInfo};
 use crate::routing::TakenProducers;
+use crate::topic::overlap;
 use crate::transport::{Consumer, Transport};
 
 impl<T: Transport> Engine<T> {
@@ -133,7 +134,8 @@ impl<T: Transport> Engine<T> {
     }
 
     /// Refuses a topic this dispatcher already consumes with a
-    /// subscription of the same name.
+    /// subscription of the same name, whole or by one of its partitions
+    /// (named either way, a partition would have two consumers here).
     fn not_yet_subscribed(&self, specs: &[SubscriptionSpec]) -> Result<(), Error> {
         let subscriptions = self.subscriptions.borrow();
         for spec in specs {
@@ -141,7 +143,7 @@ impl<T: Transport> Engine<T> {
                 continue;
             };
             let taken = subscriptions.iter().any(|(_, existing)| {
-                existing.info.topic == spec.consumer.topic
+                overlap(&existing.info.topic, &spec.consumer.topic)
                     && existing.info.subscription.as_ref() == Some(name)
             });
             if taken {

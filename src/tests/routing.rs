@@ -948,6 +948,14 @@ fn the_same_topic_and_subscription_twice_is_refused() {
             ),
             "{again:?}"
         );
+        // So is one of its partitions, had it any.
+        let partition = dispatcher
+            .subscribe("orders-partition-0", failing, exclusive())
+            .await;
+        assert!(
+            matches!(&partition, Err(Error::AlreadySubscribed { .. })),
+            "{partition:?}"
+        );
         // Another subscription name, or none, is another subscription.
         dispatcher
             .subscribe("orders", failing, SubscribeOptions::new().subscription("t"))
