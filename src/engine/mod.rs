@@ -161,12 +161,14 @@ pub(crate) trait Pool<T: Transport> {
 }
 
 /// A subscription's handler: the value the user gave, and the pool whose
-/// workers can run it.
+/// workers can run it. In C order, what every message reads first: the
+/// pool itself is only needed to hand a message to another worker.
+#[repr(C)]
 pub(crate) struct Handler<T: Transport> {
     value: Rc<dyn Any>,
-    pool: Rc<dyn Pool<T>>,
     /// The pool's address, kept at hand: it is compared on every dispatch.
     pool_id: *const (),
+    pool: Rc<dyn Pool<T>>,
 }
 
 impl<T: Transport> Clone for Handler<T> {

@@ -14,12 +14,16 @@ use crate::transport::Repairs;
 
 /// Makes, from one list of counters: the `Counters` of live cells, the
 /// matching fields of [`SubscriptionStats`] (after its other fields), how
-/// to copy and sum them, and the metric name of each.
+/// to copy and sum them, and the metric name of each. `layout` names the
+/// same counters again, in the order of the live cells in memory; a name
+/// missing from it, or one too many, does not compile (a missing cell
+/// cannot be copied, an extra one is never read).
 macro_rules! counters {
     (
         $(#[$stats_meta:meta])*
         pub struct SubscriptionStats { $($(#[$head_meta:meta])* pub $head:ident: $head_type:ty,)* }
         counters { $($(#[doc = $doc:literal])* $name:ident => $metric:literal,)* }
+        layout { $($cell:ident,)* }
     ) => {
         $(#[$stats_meta])*
         pub struct SubscriptionStats {
@@ -29,8 +33,9 @@ macro_rules! counters {
 
         /// The live counters of one subscription.
         #[derive(Default)]
+        #[repr(C)]
         pub(crate) struct Counters {
-            $(pub(crate) $name: Cell<u64>,)*
+            $(pub(crate) $cell: Cell<u64>,)*
         }
 
         impl Counters {
@@ -132,6 +137,32 @@ counters! {
         /// nacked for a batch-mate, after they had succeeded: settled as
         /// succeeded again, not handled again.
         redelivered_after_success => "pulsar_dispatcher_messages_redelivered_after_success_total",
+    }
+    // The four counters every message bumps come first, side by side: with
+    // many subscriptions each message finds its subscription out of the
+    // cache, and these then share a line with the subscription's other
+    // per-message fields (see `Subscription`) instead of spreading over two
+    // more. The stats and metrics keep the order above.
+    layout {
+        received,
+        dispatched,
+        succeeded,
+        acked,
+        failed,
+        panicked,
+        deadline_exceeded,
+        retried,
+        dead_lettered,
+        replied,
+        publishes_failed,
+        nacked,
+        acks_failed,
+        nacks_failed,
+        receive_errors,
+        redelivered_after_ack,
+        rewinds_repeated,
+        dropped_in_flight,
+        redelivered_after_success,
     }
 }
 
