@@ -127,9 +127,12 @@ impl Broker {
 }
 
 // In C order, what each receive and ack touches first, so that with many
-// topics a message finds those fields in two or three cache lines.
+// topics a message finds those fields in two cache lines: aligned to a
+// line, they start one (the `Rc`'s counts, which no message touches, keep
+// the line before to themselves), where from an allocation aligned to 16
+// their 104 bytes took three lines most of the time.
 #[derive(Default)]
-#[repr(C)]
+#[repr(C, align(64))]
 struct Topic {
     ended: Cell<bool>,
     /// Whether acks and nacks fail.
