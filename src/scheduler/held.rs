@@ -22,10 +22,30 @@ pub(super) struct Waiting<M> {
     pub(super) since: Option<Instant>,
 }
 
+/// Small, so that a subscription's place in the scheduler fits in one
+/// cache line (see `Subscription`): a slot keeps no key (one message waits
+/// for no other, so its key would be released unread), and the key-ordered
+/// buffer, rarer, is boxed.
 pub(super) enum Held<M> {
     /// The one-message slot.
-    Slot(Option<Waiting<M>>),
-    Keyed(Keyed<M>),
+    Slot(Option<Slotted<M>>),
+    Keyed(Box<Keyed<M>>),
+}
+
+/// The message in a slot, and when it was inserted (the aging policy only).
+pub(super) struct Slotted<M> {
+    pub(super) message: M,
+    pub(super) since: Option<Instant>,
+}
+
+impl<M> Slotted<M> {
+    fn into_waiting(self) -> Waiting<M> {
+        Waiting {
+            message: self.message,
+            key: None,
+            since: self.since,
+        }
+    }
 }
 
 pub(super) struct Keyed<M> {
@@ -49,13 +69,13 @@ impl<M> Held<M> {
         if !keyed {
             return Held::Slot(None);
         }
-        Held::Keyed(Keyed {
+        Held::Keyed(Box::new(Keyed {
             free: VecDeque::with_capacity(capacity),
             parked: VecDeque::with_capacity(capacity),
             // Room for every key that can be held or in flight at once.
             claims: Claims::with_room(capacity.saturating_add(concurrent)),
             capacity,
-        })
+        }))
     }
 
     /// How many messages it holds.
@@ -84,7 +104,7 @@ impl<M> Held<M> {
     /// When the next message to dispatch was inserted (aging).
     pub(super) fn next_since(&self) -> Option<Instant> {
         match self {
-            Held::Slot(slot) => slot.as_ref().and_then(|waiting| waiting.since),
+            Held::Slot(slot) => slot.as_ref().and_then(|slotted| slotted.since),
             Held::Keyed(keyed) => keyed.free.front().and_then(|waiting| waiting.since),
         }
     }
@@ -92,7 +112,12 @@ impl<M> Held<M> {
     /// Stores a message; the caller has checked for room.
     pub(super) fn insert(&mut self, waiting: Waiting<M>) {
         match self {
-            Held::Slot(slot) => *slot = Some(waiting),
+            Held::Slot(slot) => {
+                *slot = Some(Slotted {
+                    message: waiting.message,
+                    since: waiting.since,
+                })
+            }
             Held::Keyed(keyed) => keyed.insert(waiting),
         }
     }
@@ -101,7 +126,7 @@ impl<M> Held<M> {
     /// flight until released.
     pub(super) fn take_next(&mut self) -> Option<Waiting<M>> {
         match self {
-            Held::Slot(slot) => slot.take(),
+            Held::Slot(slot) => slot.take().map(Slotted::into_waiting),
             Held::Keyed(keyed) => keyed.free.pop_front(),
         }
     }
@@ -109,7 +134,7 @@ impl<M> Held<M> {
     /// Takes any held message, dispatchable or not (to give it back).
     pub(super) fn take_any(&mut self) -> Option<Waiting<M>> {
         match self {
-            Held::Slot(slot) => slot.take(),
+            Held::Slot(slot) => slot.take().map(Slotted::into_waiting),
             Held::Keyed(keyed) => keyed.take_any(),
         }
     }

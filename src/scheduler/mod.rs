@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use slab::Slab;
 
-use self::held::{Held, Waiting};
+use self::held::{Held, Slotted, Waiting};
 use self::policy::Reservations;
 pub use self::policy::{Aging, SchedulingPolicy, Weights};
 
@@ -147,6 +147,11 @@ pub struct Pick<M> {
 #[must_use = "a held permit not given back is lost"]
 pub struct HeldPermit(());
 
+// Aligned to a cache line, and small enough to fit in one (with a message
+// of two pointers, as the engine's is): with many subscriptions a pick finds
+// its subscription out of the cache, and then reads one line instead of the
+// two or three its fields spread over before.
+#[repr(align(64))]
 struct Subscription<M> {
     level: usize,
     held: Held<M>,
@@ -498,11 +503,7 @@ impl<M> Scheduler<M> {
                 let Held::Slot(slot) = &mut self.subscriptions[key.0].held else {
                     unreachable!("a slot, as checked above; `refill` cannot reach it");
                 };
-                *slot = Some(Waiting {
-                    message,
-                    key: None,
-                    since,
-                });
+                *slot = Some(Slotted { message, since });
             }
             None => self.waiting -= 1,
         }

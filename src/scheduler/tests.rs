@@ -618,3 +618,18 @@ fn a_refill_that_panics_leaves_the_queue_sound() {
         "its slot takes the next message"
     );
 }
+
+#[test]
+fn a_subscription_fits_in_one_cache_line() {
+    // The engine's message is two pointers: its subscription and its box.
+    type Message = (std::rc::Rc<()>, Box<u64>);
+    let mut s: Scheduler<Message> = Scheduler::new(NonZeroUsize::new(1).unwrap());
+    let (first, second) = (s.add_subscription(0), s.add_subscription(0));
+    let at = |key: SubscriptionKey| &s.subscriptions[key.0] as *const _ as usize;
+    assert_eq!(at(first) % 64, 0);
+    assert_eq!(
+        at(second) - at(first),
+        64,
+        "the slab adds nothing around it"
+    );
+}
