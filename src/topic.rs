@@ -45,6 +45,11 @@ pub fn full_topic_name(name: &str) -> Result<String, Error> {
 /// partition's index (`orders-partition-3`).
 const PARTITION_SUFFIX: &str = "-partition-";
 
+/// The name of partition `index` of `topic`.
+pub(crate) fn partition_name(topic: &str, index: u32) -> String {
+    format!("{topic}{PARTITION_SUFFIX}{index}")
+}
+
 /// The partitioned topic that a partition's full name belongs to, read as
 /// Pulsar's clients and broker read it (`.../orders` for
 /// `.../orders-partition-3`), or `None` for a name that is no partition's.
@@ -94,6 +99,7 @@ mod tests {
     fn a_topic_overlaps_itself_and_its_partitions_only() {
         let orders = "persistent://public/default/orders";
         let partition = "persistent://public/default/orders-partition-2";
+        assert_eq!(partition_name(orders, 2), partition);
         assert!(overlap(orders, orders));
         assert!(overlap(orders, partition));
         assert!(overlap(partition, orders));

@@ -28,6 +28,7 @@ use tracing::{info, warn};
 
 use super::nodelay::BrokerSockets;
 use super::{ConsumerSpec, TransportError};
+use crate::topic::partition_name;
 
 /// The crate's consumer of one partition.
 pub(super) type CrateConsumer = pulsar::Consumer<Vec<u8>, TokioExecutor>;
@@ -88,11 +89,6 @@ impl Subscriber {
         }
         Ok(consumer)
     }
-}
-
-/// The name of partition `index` of `topic`.
-pub(super) fn partition_name(topic: &str, index: u32) -> String {
-    format!("{topic}-partition-{index}")
 }
 
 /// Subscribes the partitions named `names`, all at once, in that order:

@@ -37,7 +37,7 @@ use pulsar::{Pulsar, PulsarBuilder, SubType, TokioExecutor};
 
 use super::nodelay::BrokerSockets;
 use super::partition::{
-    close_partitions, partition_name, subscribe_partitions, AddedPartitions, Partition, Subscriber,
+    close_partitions, subscribe_partitions, AddedPartitions, Partition, Subscriber,
 };
 use super::rewind::RewindCheck;
 use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks, SettledBefore};
@@ -45,7 +45,7 @@ use super::{
     Consumer, ConsumerSpec, OutgoingMessage, Producer, Repairs, Transport, TransportError,
 };
 use crate::message::{Message, MessageId, Metadata};
-use crate::topic::is_non_persistent;
+use crate::topic::{is_non_persistent, partition_name};
 
 /// A connection to a Pulsar cluster through the `pulsar` crate.
 pub struct PulsarTransport {
