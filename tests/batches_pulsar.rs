@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    close_and_join, fresh_topic, pulsar_url, run_local, start, unique_name, unique_topic,
+    close_and_join, fresh_topic, run_local, start, unique_name, unique_topic,
     wait_for_empty_backlog, wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, ErrorClass, HandlerError, Message, SubType, SubscribeOptions};
@@ -22,16 +22,7 @@ async fn produce_batched(topic: &str, messages: &[(&str, &str)]) {
         .iter()
         .map(|(payload, key)| serde_json::json!({ "payload": payload, "partition_key": key }))
         .collect();
-    common::run_interop(
-        "produce.py",
-        serde_json::json!({
-            "service_url": pulsar_url(),
-            "topic": topic,
-            "batching": true,
-            "messages": messages,
-        }),
-    )
-    .await;
+    common::produce_with_python(topic, messages, true).await;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +52,34 @@ fn record(log: &Log, message: &Message) -> String {
             .collect(),
     });
     payload
+}
+
+/// The options every batch test starts from: `subscription` of
+/// `subscription_type`, room for a whole batch, and nacks redelivered
+/// quickly.
+fn batch_options(subscription: &str, subscription_type: SubType) -> SubscribeOptions {
+    SubscribeOptions::new()
+        .subscription(subscription)
+        .subscription_type(subscription_type)
+        .receiver_queue_size(10)
+        .negative_ack_redelivery_delay(Duration::from_millis(200))
+}
+
+/// Subscribes `subscription` (Shared) to `topic` with a handler that only
+/// records what arrives into `log`: a reader of dead letters or replies.
+async fn record_into(dispatcher: &Dispatcher, topic: &str, subscription: &str, log: &Log) {
+    let log = log.clone();
+    let recorder = async move |message: &Message| {
+        record(&log, message);
+        Ok::<(), std::convert::Infallible>(())
+    };
+    let options = SubscribeOptions::new()
+        .subscription(subscription)
+        .subscription_type(SubType::Shared);
+    dispatcher
+        .subscribe(topic, recorder, options)
+        .await
+        .unwrap();
 }
 
 fn runs_of(log: &Log, payload: &str, on: impl Fn(&str) -> bool) -> usize {
@@ -230,33 +249,17 @@ fn a_dead_letter_policy_dead_letters_only_the_failing_member_of_a_batch(kind: To
                 _ => Ok(()),
             }
         };
-        let options = SubscribeOptions::new()
-            .subscription(&subscription)
-            .subscription_type(SubType::Shared)
-            .receiver_queue_size(10)
-            .negative_ack_redelivery_delay(Duration::from_millis(200))
-            .dead_letter_policy(pulsar_dispatcher::DeadLetterPolicy {
+        let options = batch_options(&subscription, SubType::Shared).dead_letter_policy(
+            pulsar_dispatcher::DeadLetterPolicy {
                 max_redeliver_count: 2,
                 dead_letter_topic: dlq.clone(),
-            });
+            },
+        );
         dispatcher
             .subscribe(&topic, handler, options)
             .await
             .unwrap();
-        let dead_letters = {
-            let dead = dead.clone();
-            async move |message: &Message| {
-                record(&dead, message);
-                Ok::<(), std::convert::Infallible>(())
-            }
-        };
-        let dlq_options = SubscribeOptions::new()
-            .subscription(&subscription)
-            .subscription_type(SubType::Shared);
-        dispatcher
-            .subscribe(&dlq, dead_letters, dlq_options)
-            .await
-            .unwrap();
+        record_into(&dispatcher, &dlq, &subscription, &dead).await;
         let run = start(&dispatcher);
         produce_batched(&topic, &[("a", "k"), ("bad", "k"), ("b", "k")]).await;
         wait_until("the dead letter", Duration::from_secs(30), || {
@@ -340,11 +343,7 @@ fn key_ordering_holds_inside_a_batch_of_several_keys(kind: TopicKind) {
                 Ok(())
             }
         };
-        let options = SubscribeOptions::new()
-            .subscription(&subscription)
-            .subscription_type(SubType::KeyShared)
-            .receiver_queue_size(10)
-            .negative_ack_redelivery_delay(Duration::from_millis(200))
+        let options = batch_options(&subscription, SubType::KeyShared)
             .ordering(pulsar_dispatcher::Ordering::Key);
         dispatcher
             .subscribe(&topic, handler, options)
@@ -419,30 +418,12 @@ fn each_batched_request_gets_one_reply(kind: TopicKind) {
                 Ok(format!("re-{payload}"))
             }
         };
-        let options = SubscribeOptions::new()
-            .subscription(&subscription)
-            .subscription_type(SubType::Shared)
-            .receiver_queue_size(10)
-            .negative_ack_redelivery_delay(Duration::from_millis(200))
-            .reply_topic(&reply_topic);
+        let options = batch_options(&subscription, SubType::Shared).reply_topic(&reply_topic);
         dispatcher
             .subscribe(&topic, handler, options)
             .await
             .unwrap();
-        let recorder = {
-            let replies = replies.clone();
-            async move |message: &Message| {
-                record(&replies, message);
-                Ok::<(), std::convert::Infallible>(())
-            }
-        };
-        let reply_options = SubscribeOptions::new()
-            .subscription(&subscription)
-            .subscription_type(SubType::Shared);
-        dispatcher
-            .subscribe(&reply_topic, recorder, reply_options)
-            .await
-            .unwrap();
+        record_into(&dispatcher, &reply_topic, &subscription, &replies).await;
         let run = start(&dispatcher);
         produce_batched(&topic, &[("a", "k"), ("nack", "k"), ("b", "k")]).await;
         wait_until("three replies", Duration::from_secs(30), || {

@@ -25,8 +25,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    admin_request, close_and_join, fresh_topic, is_topic_or_partition, pulsar_url, run_local,
-    start, unique_name, wait_for_empty_backlog, wait_for_stats, wait_until, TopicKind,
+    admin_request, close_and_join, fresh_topic, is_topic_or_partition, run_local, start,
+    unique_name, wait_for_empty_backlog, wait_for_stats, wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 use tokio::sync::Notify;
@@ -100,16 +100,7 @@ async fn produce_with_python(topic: &str, payloads: &[&str], batching: bool) {
         .iter()
         .map(|payload| serde_json::json!({ "payload": payload }))
         .collect();
-    common::run_interop(
-        "produce.py",
-        serde_json::json!({
-            "service_url": pulsar_url(),
-            "topic": topic,
-            "batching": batching,
-            "messages": messages,
-        }),
-    )
-    .await;
+    common::produce_with_python(topic, messages, batching).await;
 }
 
 fn every_message_of_several_prioritised_topics_is_processed_and_acked_once(kind: TopicKind) {

@@ -17,7 +17,9 @@ use common::{
 };
 use pulsar::consumer::InitialPosition;
 use pulsar::ConsumerOptions;
-use pulsar_dispatcher::{Dispatcher, Error, Message, SubType, SubscribeOptions};
+use pulsar_dispatcher::{
+    Dispatcher, Error, Message, SubType, SubscribeOptions, SubscriptionHandle,
+};
 
 fn from_the_start(options: SubscribeOptions) -> SubscribeOptions {
     options.consumer_options(
@@ -41,6 +43,40 @@ fn recording(
         tokio::time::sleep(pause).await;
         Ok(())
     }
+}
+
+/// Two dispatchers, tagged 'a' and 'b' in `log`, each subscribed to
+/// `topic` with `options()` and a handler that pauses `pause`; returns
+/// them, and the first one's handle.
+async fn two_recording_dispatchers(
+    topic: &str,
+    options: impl Fn() -> SubscribeOptions,
+    log: &Log,
+    pause: Duration,
+) -> (Rc<Dispatcher>, Rc<Dispatcher>, SubscriptionHandle) {
+    let first = common::dispatcher_with(Dispatcher::builder().concurrency(4)).await;
+    let second = common::dispatcher_with(Dispatcher::builder().concurrency(4)).await;
+    let first_handle = first
+        .subscribe(topic, recording(log, 'a', pause), options())
+        .await
+        .unwrap();
+    second
+        .subscribe(topic, recording(log, 'b', pause), options())
+        .await
+        .unwrap();
+    (first, second, first_handle)
+}
+
+/// The messages (by payload number) handled more than once, with the tags
+/// of the dispatchers that handled them.
+fn handled_twice(log: &Log) -> Vec<(usize, Vec<char>)> {
+    let mut runs: BTreeMap<usize, Vec<char>> = BTreeMap::new();
+    for (tag, n) in log.borrow().iter() {
+        runs.entry(*n).or_default().push(*tag);
+    }
+    runs.into_iter()
+        .filter(|(_, tags)| tags.len() > 1)
+        .collect()
 }
 
 /// How many handlers the dispatcher tagged `tag` started.
@@ -120,26 +156,10 @@ fn failover_hand_over(kind: TopicKind) {
             )
         };
         let log: Log = Rc::default();
-        let first = common::dispatcher_with(Dispatcher::builder().concurrency(4)).await;
-        let second = common::dispatcher_with(Dispatcher::builder().concurrency(4)).await;
         // Both subscribed before anything is published, so that no
         // consumer joining later moves a partition mid-backlog.
-        first
-            .subscribe(
-                &topic,
-                recording(&log, 'a', Duration::from_millis(30)),
-                options(),
-            )
-            .await
-            .unwrap();
-        second
-            .subscribe(
-                &topic,
-                recording(&log, 'b', Duration::from_millis(30)),
-                options(),
-            )
-            .await
-            .unwrap();
+        let (first, second, _) =
+            two_recording_dispatchers(&topic, options, &log, Duration::from_millis(30)).await;
         common::publish(&topic, common::keyed_messages(total, 10)).await;
         let run_first = start(&first);
         let run_second = start(&second);
@@ -159,11 +179,7 @@ fn failover_hand_over(kind: TopicKind) {
         wait_for_every_message(&log, total, &topic, kind).await;
         let stats = wait_for_empty_backlog(&topic, &subscription).await;
         close_and_join(staying, staying_run).await;
-        let mut runs: BTreeMap<usize, Vec<char>> = BTreeMap::new();
-        for (tag, n) in log.borrow().iter() {
-            runs.entry(*n).or_default().push(*tag);
-        }
-        let twice: Vec<_> = runs.iter().filter(|(_, tags)| tags.len() > 1).collect();
+        let twice = handled_twice(&log);
         assert!(
             twice.is_empty(),
             "handled twice after a graceful close: {twice:?}"
@@ -195,7 +211,7 @@ fn a_priority_changed_while_messages_are_held_decides_the_next_pick_on_partition
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 if xs == 5 {
                     // Y holds a message: it goes next.
-                    let handle: &Option<pulsar_dispatcher::SubscriptionHandle> = &y_handle.borrow();
+                    let handle: &Option<SubscriptionHandle> = &y_handle.borrow();
                     handle.as_ref().unwrap().set_priority(0).unwrap();
                     marks.borrow_mut().push(order.borrow().len());
                 }
@@ -211,7 +227,7 @@ fn a_priority_changed_while_messages_are_held_decides_the_next_pick_on_partition
                 if ys == 3 {
                     // Its own handler runs: back behind X, whose held
                     // message goes next.
-                    let handle: &Option<pulsar_dispatcher::SubscriptionHandle> = &y_handle.borrow();
+                    let handle: &Option<SubscriptionHandle> = &y_handle.borrow();
                     handle.as_ref().unwrap().set_priority(50).unwrap();
                     marks.borrow_mut().push(order.borrow().len());
                 }
@@ -353,24 +369,8 @@ fn unsubscribe_next_to_another(subscription_type: SubType) {
         };
         common::publish(&topic, common::keyed_messages(total, 10)).await;
         let log: Log = Rc::default();
-        let first = common::dispatcher_with(Dispatcher::builder().concurrency(4)).await;
-        let second = common::dispatcher_with(Dispatcher::builder().concurrency(4)).await;
-        let leaving = first
-            .subscribe(
-                &topic,
-                recording(&log, 'a', Duration::from_millis(10)),
-                options(),
-            )
-            .await
-            .unwrap();
-        second
-            .subscribe(
-                &topic,
-                recording(&log, 'b', Duration::from_millis(10)),
-                options(),
-            )
-            .await
-            .unwrap();
+        let (first, second, leaving) =
+            two_recording_dispatchers(&topic, options, &log, Duration::from_millis(10)).await;
         let run_first = start(&first);
         let run_second = start(&second);
         wait_until("some of the backlog", Duration::from_secs(30), || {
@@ -388,11 +388,7 @@ fn unsubscribe_next_to_another(subscription_type: SubType) {
             handled_by_a,
             "nothing ran on the unsubscribed one after it returned"
         );
-        let mut runs: BTreeMap<usize, usize> = BTreeMap::new();
-        for (_, n) in log.borrow().iter() {
-            *runs.entry(*n).or_default() += 1;
-        }
-        let twice: Vec<_> = runs.iter().filter(|(_, count)| **count > 1).collect();
+        let twice = handled_twice(&log);
         assert!(twice.is_empty(), "handled twice: {twice:?}");
         assert_eq!(stats.msg_backlog, 0, "backlog left: {stats:?}");
     });

@@ -338,16 +338,7 @@ async fn python_to_rust(batching: bool) {
     let sub = unique_name("sub");
     let mut consumer = shared_consumer(&client, &topic, &sub, 10).await;
     let specs = interop_messages(if batching { "pyb" } else { "py" });
-    let result = run_interop(
-        "produce.py",
-        json!({
-            "service_url": pulsar_url(),
-            "topic": topic,
-            "batching": batching,
-            "messages": specs,
-        }),
-    )
-    .await;
+    let result = common::produce_with_python(&topic, specs.clone(), batching).await;
     assert_eq!(result["sent"], specs.len());
 
     let mut by_payload: HashMap<String, Msg> = HashMap::new();

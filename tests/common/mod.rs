@@ -441,6 +441,24 @@ pub async fn client() -> pulsar::Pulsar<pulsar::TokioExecutor> {
         .unwrap_or_else(|e| panic!("connecting to {url}: {e}"))
 }
 
+/// Publishes `messages` to `topic` with the official Python client, batched
+/// or not, each a JSON object as `tests/interop/produce.py` reads it (a
+/// `payload`, optionally a `partition_key`, properties and so on); returns
+/// the script's result.
+pub async fn produce_with_python(
+    topic: &str,
+    messages: Vec<serde_json::Value>,
+    batching: bool,
+) -> serde_json::Value {
+    let request = serde_json::json!({
+        "service_url": pulsar_url(),
+        "topic": topic,
+        "batching": batching,
+        "messages": messages,
+    });
+    run_interop("produce.py", request).await
+}
+
 /// Runs a script of tests/interop with the test virtualenv's Python, passing
 /// `request` as JSON on stdin, and returns the JSON of its `RESULT` line.
 /// Runs on tokio's blocking pool so the runtime's tasks keep running.
