@@ -137,7 +137,7 @@ pub use message::{Message, MessageId};
 pub use options::{
     SubscribeOptions, DEFAULT_KEY_BUFFER, DEFAULT_NEGATIVE_ACK_REDELIVERY_DELAY,
     DEFAULT_PARTITION_REFRESH_INTERVAL, DEFAULT_PRIORITY, DEFAULT_RECEIVE_FAILURE_LIMIT,
-    DEFAULT_SUBSCRIBE_TIMEOUT,
+    DEFAULT_STALL_CHECK, DEFAULT_SUBSCRIBE_TIMEOUT,
 };
 pub use outcome::{HandlerError, IntoReply, SubscriptionInfo};
 /// The `pulsar` crate at the version this crate uses, so that its types

@@ -21,7 +21,7 @@ use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::scheduler::{Ordering, SubscriptionConfig};
 use crate::topic::{full_topic_name, is_non_persistent};
 use crate::transport::ConsumerSpec;
-pub use crate::transport::DEFAULT_PARTITION_REFRESH_INTERVAL;
+pub use crate::transport::{DEFAULT_PARTITION_REFRESH_INTERVAL, DEFAULT_STALL_CHECK};
 
 /// The priority a subscription gets unless told otherwise.
 pub const DEFAULT_PRIORITY: i64 = 100;
@@ -72,6 +72,7 @@ pub struct SubscribeOptions {
     subscribe_timeout: Duration,
     receive_failure_limit: Duration,
     partition_refresh_interval: Duration,
+    stall_check: Option<Duration>,
     fatal_errors: Option<ErrorClass>,
     retry_errors: Option<ErrorClass>,
     retry_topic: Option<String>,
@@ -99,6 +100,7 @@ impl Default for SubscribeOptions {
             subscribe_timeout: DEFAULT_SUBSCRIBE_TIMEOUT,
             receive_failure_limit: DEFAULT_RECEIVE_FAILURE_LIMIT,
             partition_refresh_interval: DEFAULT_PARTITION_REFRESH_INTERVAL,
+            stall_check: Some(DEFAULT_STALL_CHECK),
             fatal_errors: None,
             retry_errors: None,
             retry_topic: None,
@@ -306,6 +308,26 @@ impl SubscribeOptions {
         self
     }
 
+    /// On a Failover subscription, how long a partition may deliver nothing
+    /// before the dispatcher checks that the broker has not stopped
+    /// delivering its backlog (5 s by default; `None` turns it off).
+    ///
+    /// When the broker hands a partition over to this consumer (the active
+    /// one closed or unsubscribed), the rewind it makes can meet a read in
+    /// flight and leave it waiting for new entries while the backlog waits
+    /// too; nothing tells the consumer. So while a partition delivers
+    /// nothing and none of its messages waits to be settled, the consumer
+    /// asks the broker for its backlog once per interval (one small
+    /// request, no log on the broker), and when the backlog is not empty
+    /// and stood still over two checks, it asks the broker to deliver it
+    /// again (`stalls_rewound` counts those): a stalled backlog moves again
+    /// within about two intervals. Other subscription types are not
+    /// checked.
+    pub fn stall_check(mut self, every: Option<Duration>) -> Self {
+        self.stall_check = every;
+        self
+    }
+
     /// Whether retry errors have been set.
     pub(crate) fn has_retry_errors(&self) -> bool {
         self.retry_errors.is_some()
@@ -343,6 +365,10 @@ impl SubscribeOptions {
             self.partition_refresh_interval,
             false,
         )?;
+        let stall_check = self
+            .stall_check
+            .map(|every| checked_duration("stall_check", every, false))
+            .transpose()?;
         Ok(SubscriptionSpec {
             consumer: ConsumerSpec {
                 topic,
@@ -354,6 +380,7 @@ impl SubscribeOptions {
                 dead_letter_policy,
                 unacked_message_resend_delay: self.unacked_message_resend_delay,
                 partition_refresh_interval,
+                stall_check,
             },
             scheduling: self.scheduling()?,
             nack_delay,

@@ -127,6 +127,10 @@ counters! {
         /// idle after a nack, in case the broker lost part of the nack's own
         /// rewind (one per partition).
         rewinds_repeated => "pulsar_dispatcher_rewinds_repeated_total",
+        /// Rewinds asked for on a Failover subscription for a partition
+        /// whose backlog the broker had stopped delivering: idle, with a
+        /// backlog that stood still over two stall checks (one per stall).
+        stalls_rewound => "pulsar_dispatcher_stalls_rewound_total",
         /// Second copies of messages still being handled, which the broker
         /// delivered again (after a reconnection, on any subscription type;
         /// after a nack's rewind on Exclusive and Failover): dropped, since
@@ -161,6 +165,7 @@ counters! {
         receive_errors,
         redelivered_after_ack,
         rewinds_repeated,
+        stalls_rewound,
         dropped_in_flight,
         redelivered_after_success,
     }
@@ -172,6 +177,7 @@ impl Counters {
         self.redelivered_after_ack
             .set(repairs.redelivered_after_ack);
         self.rewinds_repeated.set(repairs.rewinds_repeated);
+        self.stalls_rewound.set(repairs.stalls_rewound);
         self.dropped_in_flight.set(repairs.dropped_in_flight);
         self.redelivered_after_success
             .set(repairs.redelivered_after_success);

@@ -745,6 +745,14 @@ fn durations_out_of_range_are_refused_by_name() {
                 "partition_refresh_interval",
                 SubscribeOptions::new().partition_refresh_interval(Duration::MAX),
             ),
+            (
+                "stall_check",
+                SubscribeOptions::new().stall_check(Some(Duration::ZERO)),
+            ),
+            (
+                "stall_check",
+                SubscribeOptions::new().stall_check(Some(Duration::MAX)),
+            ),
         ];
         for (name, options) in cases {
             let refused = dispatcher

@@ -63,11 +63,22 @@ pub struct ConsumerSpec {
     /// How often a partitioned topic's partition count is looked up, so
     /// that partitions added after subscribing are consumed too.
     pub partition_refresh_interval: Duration,
+    /// On a persistent Failover subscription, how long each partition may
+    /// deliver nothing (while nothing it delivered waits to be settled)
+    /// before the consumer asks the broker for its backlog; a backlog that
+    /// is not empty and stood still over two such checks makes it ask the
+    /// broker to deliver again. `None` turns the checks off.
+    pub stall_check: Option<Duration>,
 }
 
 /// How often the partitions of a partitioned topic are counted again
 /// unless told otherwise (the Java client's default as well).
 pub const DEFAULT_PARTITION_REFRESH_INTERVAL: Duration = Duration::from_secs(60);
+
+/// How long a partition of a Failover subscription may deliver nothing
+/// before the consumer checks that the broker has not stopped delivering
+/// its backlog, unless told otherwise.
+pub const DEFAULT_STALL_CHECK: Duration = Duration::from_secs(5);
 
 impl ConsumerSpec {
     /// A spec for `topic` with the crate's defaults and a receiver queue
@@ -83,6 +94,7 @@ impl ConsumerSpec {
             dead_letter_policy: None,
             unacked_message_resend_delay: None,
             partition_refresh_interval: DEFAULT_PARTITION_REFRESH_INTERVAL,
+            stall_check: Some(DEFAULT_STALL_CHECK),
         }
     }
 }
@@ -241,6 +253,10 @@ pub struct Repairs {
     /// once idle after a nack, in case the broker lost part of the nack's
     /// own rewind (one per partition).
     pub rewinds_repeated: u64,
+    /// Rewinds asked for on a Failover subscription for a partition whose
+    /// backlog the broker had stopped delivering (see
+    /// [`ConsumerSpec::stall_check`]).
+    pub stalls_rewound: u64,
     /// Second copies of messages still being handled, which the broker
     /// delivered again (a reconnection on any subscription type, a nack's
     /// rewind on Exclusive and Failover): dropped, since the copy being

@@ -12,6 +12,12 @@
 //! error meanwhile, so the dispatcher's `receive_failure_limit` bounds how
 //! long that may take. Settlements made in between are kept and sent on the
 //! new consumer.
+//!
+//! On a Failover subscription each partition also checks, while it is
+//! idle, that the broker has not stopped delivering its backlog (see
+//! `rewind::StallCheck`): the consumer is lent to the check, which asks the
+//! broker for the backlog, and settlements made meanwhile are kept as
+//! during a resubscribe.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -24,11 +30,12 @@ use futures::{FutureExt, StreamExt};
 use pulsar::consumer::DeadLetterPolicy;
 use pulsar::proto::MessageIdData;
 use pulsar::{Pulsar, TokioExecutor};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::nodelay::BrokerSockets;
+use super::rewind::StallCheck;
 use super::{ConsumerSpec, TransportError};
-use crate::topic::partition_name;
+use crate::topic::{is_non_persistent, partition_name};
 
 /// The crate's consumer of one partition.
 pub(super) type CrateConsumer = pulsar::Consumer<Vec<u8>, TokioExecutor>;
@@ -43,6 +50,10 @@ const ENGINE_ROUND_TRIP_ATTEMPT: Duration = Duration::from_millis(200);
 /// How long a failed attempt to subscribe a partition again waits before
 /// the next.
 const RESUBSCRIBE_RETRY: Duration = Duration::from_secs(1);
+
+/// How long a stall check waits for the broker's answer; without one the
+/// check reads nothing, and the next interval asks again.
+const STALL_CHECK_LIMIT: Duration = Duration::from_secs(5);
 
 /// What it takes to subscribe a partition: the client, the subscription's
 /// spec, and the broker sockets to turn Nagle's algorithm off on.
@@ -202,43 +213,80 @@ pub(super) struct Partition {
     /// The partition's own topic name, shared by every message from it.
     pub(super) topic: Rc<str>,
     state: State,
-    /// Settlements made while the consumer is being replaced: (id, ack?).
+    /// Settlements made while the consumer is being replaced or checked:
+    /// (id, ack?).
     pending: Vec<(MessageIdData, bool)>,
     /// When its stream ended, while it is being subscribed again.
     resubscribing_since: Option<tokio::time::Instant>,
+    /// On a persistent Failover subscription with the check on.
+    stall: Option<StallCheck>,
+    /// Rewinds asked for because the backlog stalled.
+    pub(super) stalls_rewound: u64,
     subscriber: Rc<Subscriber>,
 }
+
+/// What a stall check gives back: the consumer it borrowed, and the
+/// backlog the broker reported (`None` if it could not be asked).
+type StallReading = (Box<CrateConsumer>, Option<u64>);
 
 enum State {
     /// Boxed: the crate's consumer is large, the other state small.
     Open(Box<CrateConsumer>),
     Resubscribing(LocalBoxFuture<'static, Result<CrateConsumer, TransportError>>),
+    /// The consumer is lent to a stall check.
+    Checking(LocalBoxFuture<'static, StallReading>),
 }
 
 impl Partition {
     pub(super) fn new(topic: &str, consumer: CrateConsumer, subscriber: Rc<Subscriber>) -> Self {
+        let spec = &subscriber.spec;
+        let stall = spec
+            .stall_check
+            .filter(|_| {
+                spec.subscription_type == pulsar::SubType::Failover
+                    && !is_non_persistent(&spec.topic)
+            })
+            .map(StallCheck::new);
         Partition {
             topic: Rc::from(topic),
             state: State::Open(Box::new(consumer)),
             pending: Vec::new(),
             resubscribing_since: None,
+            stall,
+            stalls_rewound: 0,
             subscriber,
         }
     }
 
     /// The next message of this partition, a receive error, or `Pending`.
     /// Never ends: a consumer whose stream ends is replaced (reported as an
-    /// error meanwhile).
+    /// error meanwhile). `holds_unsettled` tells whether a message this
+    /// partition delivered is not settled yet; a stall check asks it.
     pub(super) fn poll_next(
         &mut self,
         cx: &mut Context<'_>,
+        holds_unsettled: impl Fn() -> bool,
     ) -> Poll<Result<pulsar::consumer::Message<Vec<u8>>, TransportError>> {
         loop {
             match &mut self.state {
                 State::Open(consumer) => {
                     return match consumer.poll_next_unpin(cx) {
-                        Poll::Pending => Poll::Pending,
-                        Poll::Ready(Some(received)) => Poll::Ready(received.map_err(Into::into)),
+                        Poll::Pending => {
+                            let due = self.stall.as_mut().is_some_and(|stall| {
+                                stall.poll_due(cx, &holds_unsettled).is_ready()
+                            });
+                            if due {
+                                self.check_for_stall();
+                                continue;
+                            }
+                            Poll::Pending
+                        }
+                        Poll::Ready(Some(received)) => {
+                            if let Some(stall) = &mut self.stall {
+                                stall.delivered();
+                            }
+                            Poll::Ready(received.map_err(Into::into))
+                        }
                         Poll::Ready(None) => {
                             warn!(topic = %self.topic, "the consumer's stream ended (the `pulsar` crate gave up on its connection); subscribing again");
                             self.resubscribe(Duration::ZERO);
@@ -261,7 +309,58 @@ impl Partition {
                         return Poll::Ready(Err(error));
                     }
                 },
+                State::Checking(checking) => {
+                    let (consumer, backlog) = ready!(checking.as_mut().poll(cx));
+                    self.state = State::Open(consumer);
+                    self.after_stall_check(backlog);
+                }
             }
+        }
+    }
+
+    /// Lends the consumer to a check of the partition's backlog.
+    fn check_for_stall(&mut self) {
+        // A placeholder for the moment the consumer moves: a future that
+        // never ends, of no size, allocates nothing.
+        let placeholder = State::Resubscribing(Box::pin(std::future::pending()));
+        let State::Open(mut consumer) = std::mem::replace(&mut self.state, placeholder) else {
+            unreachable!("a check starts from an open consumer");
+        };
+        let topic = self.topic.clone();
+        self.state = State::Checking(Box::pin(async move {
+            let backlog = match tokio::time::timeout(STALL_CHECK_LIMIT, consumer.get_stats()).await
+            {
+                Ok(Ok(stats)) => stats.first().and_then(|stats| stats.msg_backlog),
+                Ok(Err(error)) => {
+                    debug!(%topic, %error, "asking the broker for the backlog failed");
+                    None
+                }
+                Err(_) => {
+                    debug!(%topic, limit = ?STALL_CHECK_LIMIT, "the broker did not report the backlog in time");
+                    None
+                }
+            };
+            (consumer, backlog)
+        }));
+    }
+
+    /// Sends what was settled during the check, and asks for a rewind if
+    /// the backlog stalled.
+    fn after_stall_check(&mut self, backlog: Option<u64>) {
+        self.send_pending();
+        let Some(stall) = &mut self.stall else {
+            return;
+        };
+        if !stall.stalled(backlog) {
+            return;
+        }
+        self.stalls_rewound += 1;
+        info!(topic = %self.topic, backlog, "the broker has stopped delivering this partition's backlog (a Failover hand-over can leave it so); asking it to deliver again");
+        // On a Failover subscription the broker rewinds whatever ids a
+        // redelivery request names (it redelivers by id only on Shared and
+        // Key_Shared), and this partition has delivered nothing to name.
+        if let Err(error) = self.settle(MessageIdData::default(), false) {
+            warn!(topic = %self.topic, %error, "asking for a rewind failed");
         }
     }
 
@@ -314,9 +413,15 @@ impl Partition {
     /// handed to its connection; a partition being subscribed again just
     /// stops trying.
     pub(super) async fn close(&mut self) -> Result<(), TransportError> {
+        if let State::Checking(checking) = &mut self.state {
+            // Bounded by the check's own limit.
+            let (consumer, _) = checking.await;
+            self.state = State::Open(consumer);
+        }
         match &mut self.state {
             State::Open(consumer) => close_consumer(consumer).await,
             State::Resubscribing(_) => Ok(()),
+            State::Checking(_) => unreachable!("the check ended above"),
         }
     }
 }

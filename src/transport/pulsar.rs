@@ -361,9 +361,19 @@ impl PulsarConsumer {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Message, TransportError>>> {
         let count = self.partitions.len();
+        // A plain topic's ids name no partition: its unsettled messages
+        // are all the one partition's.
+        let partitioned = self.is_partitioned();
         for step in 0..count {
             let index = (self.next_partition + step) % count;
-            match self.partitions[index].poll_next(cx) {
+            let rewinds = &self.rewinds;
+            let holds_unsettled = || {
+                let partition = partitioned.then_some(index as i32);
+                rewinds
+                    .as_ref()
+                    .is_some_and(|rewinds| rewinds.holds_unsettled(partition))
+            };
+            match self.partitions[index].poll_next(cx, holds_unsettled) {
                 Poll::Pending => continue,
                 Poll::Ready(Err(error)) => {
                     self.next_partition = (index + 1) % count;
@@ -512,6 +522,7 @@ impl Consumer for PulsarConsumer {
         Repairs {
             redelivered_after_ack: self.recent_acks.recognised,
             rewinds_repeated,
+            stalls_rewound: self.partitions.iter().map(|p| p.stalls_rewound).sum(),
             dropped_in_flight,
             redelivered_after_success: self.batches.redelivered_after_success,
         }
