@@ -417,6 +417,7 @@ impl Partition {
             // Bounded by the check's own limit.
             let (consumer, _) = checking.await;
             self.state = State::Open(consumer);
+            self.send_pending();
         }
         match &mut self.state {
             State::Open(consumer) => close_consumer(consumer).await,
