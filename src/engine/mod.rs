@@ -69,7 +69,7 @@ use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{Outcome, SubscriptionInfo, Verdict};
 use crate::routing::{Action, DeadLetterTargets, Publish, PublishKind, RetryTopicCheck, Router};
-use crate::scheduler::{HeldPermit, Permit, Pick, Rejected, Scheduler, SchedulingPolicy};
+use crate::scheduler::{HeldPermit, Permit, Pick, Refilled, Rejected, Scheduler, SchedulingPolicy};
 use crate::transport::Transport;
 
 /// Where a dispatcher is in its life.
@@ -148,6 +148,25 @@ impl MessageBox {
 pub(crate) struct Delivery<T: Transport> {
     subscription: Rc<Subscription<T>>,
     message: MessageBox,
+}
+
+/// A message received within a pick, for the slot or key buffer its pick
+/// emptied: its ordering key is hashed only when the scheduler refills a
+/// key buffer with it and asks.
+pub(crate) struct Refill<T: Transport>(Delivery<T>);
+
+impl<T: Transport> Refilled<Delivery<T>> for Refill<T> {
+    const TELLS_KEY: bool = true;
+
+    #[inline(always)]
+    fn refill_key(&self) -> Option<u64> {
+        self.0.subscription.order_key(self.0.message.get())
+    }
+
+    #[inline(always)]
+    fn into_refilled(self) -> Delivery<T> {
+        self.0
+    }
 }
 
 /// The pool of workers of one handler type, with the type erased.
@@ -535,18 +554,20 @@ impl<T: Transport> Engine<T> {
         }
     }
 
-    /// The next message for the one-message slot of `subscription`, whose
-    /// message was just picked, while the dispatcher still receives: the
-    /// refill of [`refill`](Self::refill) without the scheduler, which the
-    /// caller holds (the slot is empty and the scheduler open, so it takes
-    /// the message). What else the receive gave goes to `not_stored`, for
-    /// [`after_receive`](Self::after_receive) once the scheduler is free.
+    /// The next message for the slot or key buffer of `subscription`,
+    /// whose message was just picked, while the dispatcher still receives:
+    /// the refill of [`refill`](Self::refill) without the scheduler, which
+    /// the caller holds (the pick left room and the scheduler is open, so
+    /// it takes the message; a key buffer asks again while everything it
+    /// holds waits for a busy key). What else the receive gave goes to
+    /// `not_stored`, for [`after_receive`](Self::after_receive) once the
+    /// scheduler is free.
     #[inline(always)]
     fn receive_next(
         &self,
         subscription: &Rc<Subscription<T>>,
         not_stored: &mut Option<Received>,
-    ) -> Option<Delivery<T>> {
+    ) -> Option<Refill<T>> {
         if self.phase() != Phase::Running || !subscription.is_receiving() {
             return None;
         }
@@ -554,10 +575,10 @@ impl<T: Transport> Engine<T> {
         match subscription.receive(&mut spare) {
             Received::Stored => {
                 spare.0.since = self.timings.then(Instant::now);
-                Some(Delivery {
+                Some(Refill(Delivery {
                     subscription: subscription.clone(),
                     message: spare,
-                })
+                }))
             }
             received => {
                 self.keep_spare(spare);

@@ -133,10 +133,41 @@ pub struct Pick<M> {
     pub permit: Permit,
     /// The message.
     pub message: M,
-    /// Whether the refill was called (it is for a one-message slot).
+    /// Whether the refill was called (it is for a one-message slot, and for
+    /// a key buffer when the refill tells keys).
     pub refill_called: bool,
     /// Whether a permit is still free after this pick.
     pub permits_left: bool,
+}
+
+/// What a refill within a pick ([`Scheduler::try_dispatch_refilling`])
+/// hands back: the next message and, for a key buffer, its ordering key.
+/// A plain message tells no key, so a pick from a key buffer leaves the
+/// refill to its caller; a type that tells keys is asked for one only when
+/// a key buffer is refilled, so a slot's refill never hashes a key.
+pub trait Refilled<M> {
+    /// Whether [`refill_key`](Self::refill_key) tells the message's key.
+    const TELLS_KEY: bool;
+
+    /// The hash of the message's ordering key, if it has one.
+    fn refill_key(&self) -> Option<u64>;
+
+    /// The message itself.
+    fn into_refilled(self) -> M;
+}
+
+// Every type is a `Refilled` of itself, so the methods' names are chosen
+// not to shadow any other type's.
+impl<M> Refilled<M> for M {
+    const TELLS_KEY: bool = false;
+
+    fn refill_key(&self) -> Option<u64> {
+        None
+    }
+
+    fn into_refilled(self) -> M {
+        self
+    }
 }
 
 /// A permit taken without a message, by a worker that steps aside for a
@@ -436,25 +467,29 @@ impl<M> Scheduler<M> {
         Some((permit, waiting.message))
     }
 
-    /// Like [`try_dispatch`](Self::try_dispatch), and refills a one-message
-    /// slot in the same step: `refill` is called with the message picked
-    /// from a slot and returns the slot's next message, if there is one
-    /// (the scheduler still accepting messages). The flag returned tells
-    /// whether `refill` was called; it is not for a key-ordered
-    /// subscription, whose buffer the caller refills as after
-    /// `try_dispatch`. A pick also tells whether a permit is left, so that
-    /// a caller picking until none is need not ask again.
+    /// Like [`try_dispatch`](Self::try_dispatch), and refills the emptied
+    /// slot or key buffer in the same step: `refill` is called with the
+    /// message picked and returns the subscription's next message, if
+    /// there is one (the scheduler still accepting messages). A slot is
+    /// refilled once; a key buffer, when the refill tells keys (see
+    /// [`Refilled`]), as the engine refills one after a pick: once, and
+    /// again while everything it holds waits for a busy key and it has
+    /// room. The flag returned tells whether `refill` was called; it is
+    /// not for a key buffer whose refill tells no key, which the caller
+    /// refills as after `try_dispatch`. A pick also tells whether a permit
+    /// is left, so that a caller picking until none is need not ask again.
     ///
-    /// A slot refilled here keeps its subscription in its level's ready
+    /// A subscription refilled here keeps its place in its level's ready
     /// queue: moved to the back when others wait there (as a pop and a
     /// push would), left where it is when it is the only one, so that the
     /// common case touches neither the queue nor the ready bits. `refill`
-    /// runs while the subscription is still at the front of the queue with
-    /// an empty slot; it cannot reach the scheduler (the caller holds it).
+    /// runs while the subscription is still at the front of the queue,
+    /// with its message taken; it cannot reach the scheduler (the caller
+    /// holds it).
     #[inline(always)]
-    pub fn try_dispatch_refilling(
+    pub fn try_dispatch_refilling<R: Refilled<M>>(
         &mut self,
-        refill: impl FnOnce(&M) -> Option<M>,
+        mut refill: impl FnMut(&M) -> Option<R>,
     ) -> Option<Pick<M>> {
         if self.available == 0 {
             return None;
@@ -467,48 +502,75 @@ impl<M> Scheduler<M> {
         let priority = *priority;
         let closed = self.closed;
         let subscription = &mut self.subscriptions[key.0];
-        let Held::Slot(slot) = &mut subscription.held else {
+        if !R::TELLS_KEY && matches!(subscription.held, Held::Keyed(_)) {
             let (permit, message) = self.dispatch_at(level)?;
             return Some(self.pick(permit, message, false));
-        };
-        let waiting = slot
-            .take()
+        }
+        let waiting = subscription
+            .held
+            .take_next()
             .expect("a ready subscription holds a message that may run");
         subscription.in_flight += 1;
         self.available -= 1;
+        self.waiting -= 1;
         self.charge_turn(level);
         let permit = Permit {
             subscription: key,
-            key: None,
+            key: waiting.key,
             priority,
         };
         if closed {
-            self.waiting -= 1;
             self.after_pick_at_front(level, key);
             return Some(self.pick(permit, waiting.message, false));
         }
         // A refill that panics (a transport's bug) must not leave the
         // subscription at the front of its queue with an empty slot, which
-        // every later pick would trip on: the queue is put right first, and
-        // the pick is lost as before.
-        let refilled = std::panic::catch_unwind(AssertUnwindSafe(|| refill(&waiting.message)))
-            .unwrap_or_else(|panic| {
-                self.waiting -= 1;
-                self.after_pick_at_front(level, key);
-                std::panic::resume_unwind(panic)
-            });
-        match refilled {
-            Some(message) => {
-                let since = matches!(self.policy, SchedulingPolicy::Aging(_)).then(|| self.now());
-                let Held::Slot(slot) = &mut self.subscriptions[key.0].held else {
-                    unreachable!("a slot, as checked above; `refill` cannot reach it");
-                };
-                *slot = Some(Slotted { message, since });
+        // every later pick would trip on: the queue is put right first
+        // (what was stored before the panic kept), and the pick is lost as
+        // before. One call of `refill` in the code, for a slot and a key
+        // buffer alike: a second one kept the optimizer from inlining it.
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            while let Some(refilled) = refill(&waiting.message) {
+                if self.store_refilled(key, refilled) {
+                    break;
+                }
             }
-            None => self.waiting -= 1,
-        }
+        }))
+        .unwrap_or_else(|panic| {
+            self.after_pick_at_front(level, key);
+            std::panic::resume_unwind(panic)
+        });
         self.after_pick_at_front(level, key);
         Some(self.pick(permit, waiting.message, true))
+    }
+
+    /// Stores a message refilled within a pick into the subscription `key`,
+    /// which has room for it (the pick took one); returns whether the
+    /// refill is done. A slot is then full. A key buffer takes more while
+    /// everything it holds waits for a busy key (the keys behind them must
+    /// not wait too, and nothing else would take them) and it has room.
+    #[inline(always)]
+    fn store_refilled<R: Refilled<M>>(&mut self, key: SubscriptionKey, refilled: R) -> bool {
+        let since = matches!(self.policy, SchedulingPolicy::Aging(_)).then(|| self.now());
+        self.waiting += 1;
+        match &mut self.subscriptions[key.0].held {
+            Held::Slot(slot) => {
+                *slot = Some(Slotted {
+                    message: refilled.into_refilled(),
+                    since,
+                });
+                true
+            }
+            held => {
+                let order_key = refilled.refill_key();
+                held.insert(Waiting {
+                    message: refilled.into_refilled(),
+                    key: order_key,
+                    since,
+                });
+                held.has_dispatchable() || !held.has_room()
+            }
+        }
     }
 
     #[inline(always)]

@@ -24,6 +24,14 @@ enum Op {
         key: Option<u64>,
     },
     Dispatch,
+    /// A dispatch that refills the subscription it picks from, with
+    /// messages of these keys for as long as it asks; `tells_key`: the
+    /// refill tells their keys (as the engine's does), so that a key buffer
+    /// is refilled too.
+    DispatchRefilling {
+        keys: Vec<Option<u64>>,
+        tells_key: bool,
+    },
     Release(usize),
     SetPriority {
         subscription: usize,
@@ -42,6 +50,8 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (0usize..8, proptest::option::of(0u64..3))
             .prop_map(|(subscription, key)| Op::Insert { subscription, key }),
         5 => Just(Op::Dispatch),
+        3 => (proptest::collection::vec(proptest::option::of(0u64..3), 0..4), any::<bool>())
+            .prop_map(|(keys, tells_key)| Op::DispatchRefilling { keys, tells_key }),
         4 => (0usize..16).prop_map(Op::Release),
         1 => (0usize..8, 0i64..4)
             .prop_map(|(subscription, priority)| Op::SetPriority { subscription, priority }),
@@ -84,6 +94,89 @@ impl Model {
     fn has_runnable(&self) -> bool {
         (0..self.held.len()).any(|index| self.may_run(index))
     }
+
+    /// Whether a held message could run now, the in-flight limit aside.
+    fn holds_free(&self) -> bool {
+        match self.ordering {
+            Ordering::Key => (0..self.held.len()).any(|index| match self.held[index].1 {
+                Some(key) => {
+                    !self.busy.contains(&key)
+                        && !self.held[..index].iter().any(|(_, k)| *k == Some(key))
+                }
+                None => true,
+            }),
+            _ => !self.held.is_empty(),
+        }
+    }
+
+    /// How many of `supply` a refill within a pick from this subscription
+    /// stores: one in a slot; in a key buffer, with keys told, one and more
+    /// while nothing held may run and there is room; none in a key buffer
+    /// without keys told (its caller refills it).
+    fn refill(&mut self, supply: &[(u64, Option<u64>)], tells_key: bool) -> usize {
+        let keyed = self.ordering == Ordering::Key;
+        if keyed && !tells_key {
+            return 0;
+        }
+        let mut taken = 0;
+        for &message in supply {
+            self.held.push(message);
+            taken += 1;
+            if !keyed || self.holds_free() || self.held.len() == self.capacity {
+                break;
+            }
+        }
+        taken
+    }
+}
+
+/// A refilled message that tells its key, as the engine's does.
+struct TellingKey(u64, Option<u64>);
+
+impl Refilled<u64> for TellingKey {
+    const TELLS_KEY: bool = true;
+
+    fn refill_key(&self) -> Option<u64> {
+        self.1
+    }
+
+    fn into_refilled(self) -> u64 {
+        self.0
+    }
+}
+
+/// Checks a pick of message `id` against the models and records it in
+/// the model it came from; returns that model's index and the message's
+/// key (`u64::MAX` for none).
+fn record_pick(
+    models: &mut [Model],
+    runnable: &[usize],
+    permit: &Permit,
+    id: u64,
+) -> Result<(usize, u64), TestCaseError> {
+    let m = models
+        .iter()
+        .position(|model| model.key == permit.subscription())
+        .unwrap();
+    let best = runnable.iter().map(|&m| models[m].priority).min().unwrap();
+    prop_assert_eq!(
+        models[m].priority,
+        best,
+        "strict: the best priority that may run"
+    );
+    let model = &mut models[m];
+    let index = model.held.iter().position(|(held, _)| *held == id).unwrap();
+    prop_assert!(model.may_run(index), "{} may not run yet", id);
+    let (_, key) = model.held.remove(index);
+    if model.ordering == Ordering::Key {
+        if let Some(key) = key {
+            prop_assert!(!model.busy.contains(&key), "key {} twice in flight", key);
+            model.busy.push(key);
+        }
+    }
+    model.in_flight += 1;
+    prop_assert!(model.in_flight <= model.limit);
+    Ok((m, key.unwrap_or(u64::MAX)))
 }
 
 fn check(concurrency: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
@@ -158,36 +251,52 @@ fn check(concurrency: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     ),
                     Some((permit, id)) => {
                         prop_assert!(in_flight.len() < concurrency);
-                        let m = models
-                            .iter()
-                            .position(|model| model.key == permit.subscription())
-                            .unwrap();
-                        let best = runnable.iter().map(|&m| models[m].priority).min().unwrap();
-                        prop_assert_eq!(
-                            models[m].priority,
-                            best,
-                            "strict: the best priority that may run"
-                        );
-                        let model = &mut models[m];
-                        let index = model.held.iter().position(|(held, _)| *held == id).unwrap();
-                        prop_assert!(model.may_run(index), "{} may not run yet", id);
-                        let (_, key) = model.held.remove(index);
-                        if model.ordering == Ordering::Key {
-                            if let Some(key) = key {
-                                prop_assert!(
-                                    !model.busy.contains(&key),
-                                    "key {} twice in flight",
-                                    key
-                                );
-                                model.busy.push(key);
-                            }
-                        }
-                        model.in_flight += 1;
-                        prop_assert!(model.in_flight <= model.limit);
+                        let (m, key) = record_pick(&mut models, &runnable, &permit, id)?;
                         prop_assert!(dispatched.insert(id), "{} dispatched twice", id);
-                        in_flight.push((permit, m, key.unwrap_or(u64::MAX)));
+                        in_flight.push((permit, m, key));
                     }
                 }
+            }
+            Op::DispatchRefilling { keys, tells_key } => {
+                let runnable: Vec<usize> = (0..models.len())
+                    .filter(|&m| models[m].has_runnable())
+                    .collect();
+                let supply: Vec<(u64, Option<u64>)> = keys
+                    .into_iter()
+                    .map(|key| {
+                        next_id += 1;
+                        (next_id - 1, key)
+                    })
+                    .collect();
+                let mut left = supply.iter().copied();
+                let pick = if tells_key {
+                    s.try_dispatch_refilling(|_| left.next().map(|(id, key)| TellingKey(id, key)))
+                } else {
+                    s.try_dispatch_refilling(|_| left.next().map(|(id, _)| id))
+                };
+                let taken = supply.len() - left.len();
+                let Some(pick) = pick else {
+                    prop_assert!(
+                        in_flight.len() == concurrency || runnable.is_empty(),
+                        "nothing dispatched though {:?} could run",
+                        runnable
+                    );
+                    prop_assert_eq!(taken, 0, "no pick, no refill");
+                    continue;
+                };
+                prop_assert!(in_flight.len() < concurrency);
+                let (m, key) = record_pick(&mut models, &runnable, &pick.permit, pick.message)?;
+                prop_assert!(
+                    dispatched.insert(pick.message),
+                    "{} dispatched twice",
+                    pick.message
+                );
+                let model = &mut models[m];
+                let keyed_untold = model.ordering == Ordering::Key && !tells_key;
+                prop_assert_eq!(pick.refill_called, !keyed_untold);
+                prop_assert_eq!(model.refill(&supply, tells_key), taken, "refills taken");
+                inserted.extend(supply[..taken].iter().map(|(id, _)| *id));
+                in_flight.push((pick.permit, m, key));
             }
             Op::Release(which) => {
                 if in_flight.is_empty() {
@@ -269,6 +378,17 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..120),
     ) {
         check(concurrency, ops)?;
+    }
+
+    /// As above, with a key buffer added first, so that refills within
+    /// picks often meet busy keys.
+    #[test]
+    fn key_buffers_refilled_within_picks_agree_with_the_model(
+        concurrency in 1usize..4,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        let first = Op::Add { priority: 0, limit: None, ordering: 1, key_buffer: 3 };
+        check(concurrency, std::iter::once(first).chain(ops).collect())?;
     }
 
     #[test]

@@ -593,6 +593,67 @@ fn a_closed_scheduler_does_not_refill_and_key_buffers_are_left_to_the_caller() {
     assert_eq!(dispatch_refilling(&mut s, &mut permits, &mut next), None);
 }
 
+/// A refilled message that tells its key, as the engine's does.
+struct Told(&'static str, Option<u64>);
+
+impl Refilled<&'static str> for Told {
+    const TELLS_KEY: bool = true;
+
+    fn refill_key(&self) -> Option<u64> {
+        self.1
+    }
+
+    fn into_refilled(self) -> &'static str {
+        self.0
+    }
+}
+
+#[test]
+fn a_key_buffer_refilled_within_the_pick_takes_more_while_every_key_is_busy() {
+    let mut s = scheduler(10);
+    let mut permits = Vec::new();
+    let keyed = s.add(SubscriptionConfig {
+        ordering: Ordering::Key,
+        key_buffer: 3,
+        ..SubscriptionConfig::new(0)
+    });
+    let other = s.add_subscription(0);
+    s.try_insert_keyed(keyed, "a1", Some(1)).unwrap();
+    s.try_insert(other, "o1").unwrap();
+    // Refills of the key buffer are popped from the back; the other
+    // subscription has nothing more.
+    let mut next = vec![
+        Told("c1", Some(3)),
+        Told("b1", Some(2)),
+        Told("a2", Some(1)),
+    ];
+    let mut pick = |s: &mut Scheduler<&'static str>, next: &mut Vec<Told>| {
+        let pick = s.try_dispatch_refilling(|picked| match *picked {
+            "o1" => None,
+            _ => next.pop(),
+        })?;
+        permits.push(pick.permit);
+        Some((pick.message, pick.refill_called))
+    };
+    assert_eq!(pick(&mut s, &mut next), Some(("a1", true)));
+    assert_eq!(next.len(), 1, "a2 waits for a1, so b1 is taken too");
+    assert_eq!(s.load(keyed), (2, 1));
+    assert_eq!(
+        pick(&mut s, &mut next),
+        Some(("o1", true)),
+        "the refilled buffer took its turn after the other subscription"
+    );
+    assert_eq!(pick(&mut s, &mut next), Some(("b1", true)));
+    assert!(next.is_empty(), "c1 taken: it may run, so the refill stops");
+    assert_eq!(pick(&mut s, &mut next), Some(("c1", true)));
+    assert_eq!(pick(&mut s, &mut next), None, "a2 waits for a1");
+    assert_eq!(s.load(keyed), (1, 3));
+    s.release(permits.remove(0));
+    let (permit, message) = s.try_dispatch().expect("a1 released");
+    assert_eq!(message, "a2");
+    s.release(permit);
+}
+
 #[test]
 fn a_refill_that_panics_leaves_the_queue_sound() {
     let mut s = scheduler(10);
@@ -602,7 +663,7 @@ fn a_refill_that_panics_leaves_the_queue_sound() {
     s.try_insert(a, "a1").unwrap();
     s.try_insert(b, "b1").unwrap();
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        s.try_dispatch_refilling(|_| panic!("a broken transport"))
+        s.try_dispatch_refilling(|_| -> Option<&str> { panic!("a broken transport") })
     }));
     assert!(panicked.is_err());
     assert_eq!(s.load(a), (0, 1), "a1 is lost with its pick, as its permit");
