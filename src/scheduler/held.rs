@@ -109,10 +109,7 @@ impl<M> Held<M> {
         }
     }
 
-    /// Stores a message; the caller has checked for room. Inlined by
-    /// force: a key buffer's refill within a pick stores every message
-    /// here, and the call cost it 17 instructions per message (callgrind).
-    #[inline(always)]
+    /// Stores a message; the caller has checked for room.
     pub(super) fn insert(&mut self, waiting: Waiting<M>) {
         match self {
             Held::Slot(slot) => {
@@ -122,6 +119,20 @@ impl<M> Held<M> {
                 })
             }
             Held::Keyed(keyed) => keyed.insert(waiting),
+        }
+    }
+
+    /// Stores a message refilled within a pick (the pick left room);
+    /// returns whether the refill is done: a message held may run (a slot
+    /// is full), or a key buffer is full.
+    #[inline(always)]
+    pub(super) fn store_refilled(&mut self, waiting: Waiting<M>) -> bool {
+        match self {
+            Held::Slot(_) => {
+                self.insert(waiting);
+                true
+            }
+            Held::Keyed(keyed) => keyed.store_refilled(waiting),
         }
     }
 
@@ -153,6 +164,12 @@ impl<M> Held<M> {
 }
 
 impl<M> Keyed<M> {
+    #[inline(always)]
+    fn store_refilled(&mut self, waiting: Waiting<M>) -> bool {
+        self.insert(waiting);
+        !self.free.is_empty() || self.free.len() + self.parked.len() >= self.capacity
+    }
+
     #[inline(always)]
     fn insert(&mut self, waiting: Waiting<M>) {
         let Some(key) = waiting.key else {

@@ -576,12 +576,11 @@ impl<M> Scheduler<M> {
         since: Option<Instant>,
     ) -> bool {
         let order_key = refilled.refill_key();
-        held.insert(Waiting {
+        held.store_refilled(Waiting {
             message: refilled.into_refilled(),
             key: order_key,
             since,
-        });
-        held.has_dispatchable() || !held.has_room()
+        })
     }
 
     #[inline(always)]
