@@ -134,7 +134,20 @@ where
                 in_this_poll = 0;
                 tokio::task::yield_now().await;
             }
-            self.run(job, &engine, &inbox).await;
+            if job.runs_plain() {
+                // The common configuration, run here rather than in `run`:
+                // its future nested in this one cost a state of its own and
+                // a drop per message. The handler's future is built where
+                // it is awaited (see `run`).
+                let handled = AssertUnwindSafe(job.handler::<F>()(job.message()))
+                    .catch_unwind()
+                    .await;
+                if let Some(publish) = self.conclude(job, Some(handled), None, &engine) {
+                    self.publish(job, publish, None, &engine, &inbox).await;
+                }
+            } else {
+                self.run(job, &engine, &inbox).await;
+            }
             current = None;
             in_this_poll += 1;
             if in_this_poll >= JOBS_PER_POLL {
@@ -152,7 +165,9 @@ where
     }
 
     /// Runs the handler on the job's message where it is stored, then
-    /// settles the message by the handler's outcome.
+    /// settles the message by the handler's outcome: with a span, a
+    /// processing deadline or timings (without them, the worker runs the
+    /// handler itself, see `work`).
     async fn run(&self, job: &mut Job<T>, engine: &Engine<T>, inbox: &Inbox<T>) {
         let span = job.span(engine);
         let since = job.since();
@@ -195,7 +210,23 @@ where
             job.subscription
                 .record_timings(started.saturating_duration_since(since), ran);
         }
-        let entered = span.as_ref().map(tracing::Span::enter);
+        if let Some(publish) = self.conclude(job, handled, span.as_ref(), engine) {
+            self.publish(job, publish, span, engine, inbox).await;
+        }
+    }
+
+    /// Routes and settles what the handler gave (`None`: it ran past its
+    /// processing deadline), in its span; returns what to publish first,
+    /// if anything.
+    #[inline(always)]
+    fn conclude(
+        &self,
+        job: &mut Job<T>,
+        handled: Option<std::thread::Result<Result<R, E>>>,
+        span: Option<&tracing::Span>,
+        engine: &Engine<T>,
+    ) -> Option<Box<Publish>> {
+        let entered = span.map(tracing::Span::enter);
         let outcome = match handled {
             Some(Ok(result)) => Outcome::of(result),
             Some(Err(panic)) => Outcome::panicked(panic.as_ref()),
@@ -211,35 +242,39 @@ where
         // settle without awaiting; only a publish is a future.
         let concluded = std::panic::catch_unwind(AssertUnwindSafe(|| job.conclude(outcome)));
         drop(entered);
-        let failed = match concluded {
-            Ok(None) => return,
-            Ok(Some(publish)) => {
-                inbox.publishing.set(true);
-                let published = AssertUnwindSafe(job.publish_and_settle(publish)).catch_unwind();
-                let published = match span {
-                    None => published.await,
-                    Some(span) => published.instrument(span).await,
-                };
-                inbox.publishing.set(false);
-                if engine.is_cancelling() {
-                    // Spared at the shutdown deadline to finish this
-                    // publish (only a publishing worker outlives it): the
-                    // jobs it had picked are not started (dropped, each
-                    // nacked and counted as cancelled), and with nothing
-                    // left to pick it waits idle until the pool closes.
-                    inbox.queue.borrow_mut().clear();
-                }
-                published.err()
-            }
-            Err(panic) => Some(panic),
+        concluded.unwrap_or_else(|panic| {
+            settling_panicked(engine, panic);
+            None
+        })
+    }
+
+    /// Publishes the reply, retry or dead letter of a handler that
+    /// returned, then settles the message by how that went.
+    async fn publish(
+        &self,
+        job: &mut Job<T>,
+        publish: Box<Publish>,
+        span: Option<tracing::Span>,
+        engine: &Engine<T>,
+        inbox: &Inbox<T>,
+    ) {
+        inbox.publishing.set(true);
+        let published = AssertUnwindSafe(job.publish_and_settle(publish)).catch_unwind();
+        let published = match span {
+            None => published.await,
+            Some(span) => published.instrument(span).await,
         };
-        if let Some(panic) = failed {
-            engine.fail(Error::EngineFailed {
-                reason: format!(
-                    "settling a message panicked: {}",
-                    panic_text(panic.as_ref())
-                ),
-            });
+        inbox.publishing.set(false);
+        if engine.is_cancelling() {
+            // Spared at the shutdown deadline to finish this
+            // publish (only a publishing worker outlives it): the
+            // jobs it had picked are not started (dropped, each
+            // nacked and counted as cancelled), and with nothing
+            // left to pick it waits idle until the pool closes.
+            inbox.queue.borrow_mut().clear();
+        }
+        if let Err(panic) = published {
+            settling_panicked(engine, panic);
         }
     }
 
@@ -303,6 +338,18 @@ where
             idle.remove(at);
         }
     }
+}
+
+/// Routing or settling a message panicked: a bug of the dispatcher's, which
+/// stops it.
+#[inline(never)]
+fn settling_panicked<T: Transport>(engine: &Engine<T>, panic: Box<dyn std::any::Any + Send>) {
+    engine.fail(Error::EngineFailed {
+        reason: format!(
+            "settling a message panicked: {}",
+            panic_text(panic.as_ref())
+        ),
+    });
 }
 
 /// Why an idle worker woke.
@@ -507,6 +554,16 @@ impl<T: Transport> Job<T> {
             redelivery_count = message.redelivery_count(),
         );
         (!span.is_disabled()).then_some(span)
+    }
+
+    /// Whether the handler runs with nothing around it: no span wanted (the
+    /// level check of [`span`](Self::span)), no processing deadline, no
+    /// timings. What [`WorkerPool::run`] does then, the worker does itself.
+    #[inline(always)]
+    fn runs_plain(&self) -> bool {
+        tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG
+            && self.subscription.processing_timeout.is_none()
+            && self.since().is_none()
     }
 
     /// The handler value, as the type its pool runs.
