@@ -570,8 +570,7 @@ impl<T: Transport> Job<T> {
     fn handler<F: 'static>(&self) -> &F {
         self.subscription
             .handler
-            .value
-            .downcast_ref()
+            .value()
             .expect("a pool runs only handlers of its own type")
     }
 
