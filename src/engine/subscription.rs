@@ -462,16 +462,22 @@ impl<T: Transport> Subscription<T> {
             Ok(()) => bump(done),
             Err(error) => {
                 bump(failed);
-                // Counted each; logged at most once an interval, since a
-                // broken connection refuses every message in flight.
-                match self.settle_failures_log.admit(Instant::now()) {
-                    Some(not_logged) => {
-                        warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), message_id = %id, ?verdict, error = %ErrorChain(&error), not_logged, "settling a message failed")
-                    }
-                    None => {
-                        debug!(topic = %self.topic, message_id = %id, ?verdict, %error, "settling a message failed")
-                    }
-                }
+                self.settling_failed(verdict, id, error);
+            }
+        }
+    }
+
+    /// Logs a failed ack or nack, out of line.
+    #[inline(never)]
+    fn settling_failed(&self, verdict: Verdict, id: &MessageId, error: TransportError) {
+        // Counted each; logged at most once an interval, since a broken
+        // connection refuses every message in flight.
+        match self.settle_failures_log.admit(Instant::now()) {
+            Some(not_logged) => {
+                warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), message_id = %id, ?verdict, error = %ErrorChain(&error), not_logged, "settling a message failed")
+            }
+            None => {
+                debug!(topic = %self.topic, message_id = %id, ?verdict, %error, "settling a message failed")
             }
         }
     }

@@ -601,6 +601,14 @@ impl<T: Transport> Job<T> {
             self.finished = true;
             return None;
         }
+        self.route_and_settle(outcome)
+    }
+
+    /// [`conclude`](Self::conclude) for every other outcome, out of line:
+    /// the panic guard around `conclude` is then small enough to be
+    /// inlined.
+    #[inline(never)]
+    fn route_and_settle(&mut self, outcome: Outcome) -> Option<Box<Publish>> {
         match self
             .engine
             .route(&self.subscription, self.message(), outcome)
