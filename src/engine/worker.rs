@@ -239,8 +239,14 @@ where
         // Routing and settling are the dispatcher's own code; a panic there
         // is a bug that must not pass unnoticed. The job's guard still
         // nacks the message and returns the permit. The common outcomes
-        // settle without awaiting; only a publish is a future.
-        let concluded = std::panic::catch_unwind(AssertUnwindSafe(|| job.conclude(outcome)));
+        // settle without awaiting; only a publish is a future. The common
+        // one, a success without a reply, hands the guard the job alone.
+        let concluded = match outcome {
+            Outcome::Succeeded(None) => {
+                std::panic::catch_unwind(AssertUnwindSafe(|| job.succeed())).map(|()| None)
+            }
+            outcome => std::panic::catch_unwind(AssertUnwindSafe(|| job.conclude(outcome))),
+        };
         drop(entered);
         concluded.unwrap_or_else(|panic| {
             settling_panicked(engine, panic);
@@ -589,26 +595,20 @@ impl<T: Transport> Job<T> {
         self.message_box().get()
     }
 
-    /// Routes the outcome and, when that takes no publish, settles the
-    /// message; otherwise returns what to publish first. A success without
-    /// a reply, the common outcome, is counted and acked here at once, as
-    /// routing would decide, without building its decision.
+    /// Counts and acks a success without a reply, the common outcome, at
+    /// once, as routing would decide, without building its decision.
     #[inline(always)]
-    fn conclude(&mut self, outcome: Outcome) -> Option<Box<Publish>> {
-        if let Outcome::Succeeded(None) = outcome {
-            bump(&self.subscription.counters.succeeded);
-            self.subscription.ack(self.message().id());
-            self.finished = true;
-            return None;
-        }
-        self.route_and_settle(outcome)
+    fn succeed(&mut self) {
+        bump(&self.subscription.counters.succeeded);
+        self.subscription.ack(self.message().id());
+        self.finished = true;
     }
 
-    /// [`conclude`](Self::conclude) for every other outcome, out of line:
-    /// the panic guard around `conclude` is then small enough to be
-    /// inlined.
+    /// Routes any other outcome and, when that takes no publish, settles
+    /// the message; otherwise returns what to publish first. Out of line:
+    /// the common outcome takes [`succeed`](Self::succeed).
     #[inline(never)]
-    fn route_and_settle(&mut self, outcome: Outcome) -> Option<Box<Publish>> {
+    fn conclude(&mut self, outcome: Outcome) -> Option<Box<Publish>> {
         match self
             .engine
             .route(&self.subscription, self.message(), outcome)
