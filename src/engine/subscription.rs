@@ -71,7 +71,8 @@ impl SubscriptionSpec {
 // three cache lines instead of four or five. The hot part ends with
 // `counters`, whose per-message counters come first (see its `layout`).
 // `key` and `waker` are not read on the common path (a slot refilled
-// within the pick, a consumer with a message waiting), so they come after.
+// within the pick, a consumer with a message waiting), nor is
+// `processing_timeout` (`plain` says there is none), so they come after.
 #[repr(C)]
 pub(crate) struct Subscription<T: Transport> {
     /// `None` once closed.
@@ -83,9 +84,13 @@ pub(crate) struct Subscription<T: Transport> {
     failing: Cell<bool>,
     /// Whether messages carry their ordering key into the scheduler.
     keyed: bool,
+    /// Whether its handlers run with no processing deadline and no
+    /// timings: the worker then runs them itself, unless a debug span is
+    /// wanted.
+    pub(crate) plain: bool,
     pub(crate) handler: Handler<T>,
-    pub(crate) processing_timeout: Option<Duration>,
     pub(crate) counters: Counters,
+    pub(crate) processing_timeout: Option<Duration>,
     /// Its slot in the scheduler.
     pub(crate) key: SubscriptionKey,
     waker: Waker,
@@ -194,6 +199,7 @@ impl<T: Transport> Subscription<T> {
             held: RefCell::default(),
             processing_timeout: spec.processing_timeout,
             keyed: spec.scheduling.ordering == Ordering::Key,
+            plain: spec.processing_timeout.is_none() && !recording.timings,
             receive_failure_limit: spec.receive_failure_limit,
             failing: Cell::new(false),
             failures: RefCell::default(),

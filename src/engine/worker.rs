@@ -568,8 +568,7 @@ impl<T: Transport> Job<T> {
     #[inline(always)]
     fn runs_plain(&self) -> bool {
         tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG
-            && self.subscription.processing_timeout.is_none()
-            && self.since().is_none()
+            && self.subscription.plain
     }
 
     /// The handler value, as the type its pool runs.
