@@ -238,6 +238,16 @@ pub struct Scheduler<M> {
     round: Option<Option<Instant>>,
 }
 
+/// The time for the aging policy: the round's (read from `clock` at its
+/// first use), or the clock's outside a round. On the fields alone, so that
+/// a pick can read it while it holds its subscription.
+fn round_time(round: &mut Option<Option<Instant>>, clock: fn() -> Instant) -> Instant {
+    match round {
+        None => clock(),
+        Some(round) => *round.get_or_insert_with(clock),
+    }
+}
+
 impl<M> std::fmt::Debug for Scheduler<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Scheduler")
@@ -301,10 +311,7 @@ impl<M> Scheduler<M> {
 
     /// The time for the aging policy: the round's, or the clock's.
     fn now(&mut self) -> Instant {
-        match &mut self.round {
-            None => (self.clock)(),
-            Some(round) => *round.get_or_insert_with(self.clock),
-        }
+        round_time(&mut self.round, self.clock)
     }
 
     /// Keeps `permits` permits for messages at `priority` or better: a
@@ -500,12 +507,18 @@ impl<M> Scheduler<M> {
         } = &self.levels[level];
         let key = *ready.front().expect("ready bit set for an empty level");
         let priority = *priority;
-        let closed = self.closed;
-        let subscription = &mut self.subscriptions[key.0];
-        if !R::TELLS_KEY && matches!(subscription.held, Held::Keyed(_)) {
+        if !R::TELLS_KEY && matches!(self.subscriptions[key.0].held, Held::Keyed(_)) {
             let (permit, message) = self.dispatch_at(level)?;
             return Some(self.pick(permit, message, false));
         }
+        // Charged before the subscription is borrowed for the rest of the
+        // pick; nothing in the pick reads the turn.
+        self.charge_turn(level);
+        let aging = matches!(self.policy, SchedulingPolicy::Aging(_));
+        // The subscription is looked up once: the refill is stored, and its
+        // readiness read, through this borrow (`refill` cannot reach the
+        // scheduler); the rest of the pick touches other fields only.
+        let subscription = &mut self.subscriptions[key.0];
         let waiting = subscription
             .held
             .take_next()
@@ -513,14 +526,14 @@ impl<M> Scheduler<M> {
         subscription.in_flight += 1;
         self.available -= 1;
         self.waiting -= 1;
-        self.charge_turn(level);
         let permit = Permit {
             subscription: key,
             key: waiting.key,
             priority,
         };
-        if closed {
-            self.after_pick_at_front(level, key);
+        if self.closed {
+            let still_ready = subscription.is_ready();
+            self.after_pick_at_front(level, still_ready);
             return Some(self.pick(permit, waiting.message, false));
         }
         // A refill that panics (a transport's bug) must not leave the
@@ -529,31 +542,35 @@ impl<M> Scheduler<M> {
         // (what was stored before the panic kept), and the pick is lost as
         // before. One call of `refill` in the code, for a slot and a key
         // buffer alike: a second one kept the optimizer from inlining it.
-        std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let refilled = std::panic::catch_unwind(AssertUnwindSafe(|| {
             while let Some(refilled) = refill(&waiting.message) {
-                if self.store_refilled(key, refilled) {
+                let since = aging.then(|| round_time(&mut self.round, self.clock));
+                self.waiting += 1;
+                if Self::store_refilled(&mut subscription.held, refilled, since) {
                     break;
                 }
             }
-        }))
-        .unwrap_or_else(|panic| {
-            self.after_pick_at_front(level, key);
-            std::panic::resume_unwind(panic)
-        });
-        self.after_pick_at_front(level, key);
+        }));
+        let still_ready = subscription.is_ready();
+        self.after_pick_at_front(level, still_ready);
+        if let Err(panic) = refilled {
+            std::panic::resume_unwind(panic);
+        }
         Some(self.pick(permit, waiting.message, true))
     }
 
-    /// Stores a message refilled within a pick into the subscription `key`,
-    /// which has room for it (the pick took one); returns whether the
-    /// refill is done. A slot is then full. A key buffer takes more while
-    /// everything it holds waits for a busy key (the keys behind them must
-    /// not wait too, and nothing else would take them) and it has room.
+    /// Stores a message refilled within a pick into `held`, which has room
+    /// for it (the pick took one); returns whether the refill is done. A
+    /// slot is then full. A key buffer takes more while everything it
+    /// holds waits for a busy key (the keys behind them must not wait too,
+    /// and nothing else would take them) and it has room.
     #[inline(always)]
-    fn store_refilled<R: Refilled<M>>(&mut self, key: SubscriptionKey, refilled: R) -> bool {
-        let since = matches!(self.policy, SchedulingPolicy::Aging(_)).then(|| self.now());
-        self.waiting += 1;
-        match &mut self.subscriptions[key.0].held {
+    fn store_refilled<R: Refilled<M>>(
+        held: &mut Held<M>,
+        refilled: R,
+        since: Option<Instant>,
+    ) -> bool {
+        match held {
             Held::Slot(slot) => {
                 *slot = Some(Slotted {
                     message: refilled.into_refilled(),
@@ -594,11 +611,11 @@ impl<M> Scheduler<M> {
     }
 
     /// After a pick from the subscription at the front of `level`'s ready
-    /// queue: to the back of the queue if it is still ready (where a pop
+    /// queue: to the back of the queue if it is `still_ready` (where a pop
     /// and a push would put it), out of it otherwise.
     #[inline(always)]
-    fn after_pick_at_front(&mut self, level: usize, key: SubscriptionKey) {
-        if self.subscriptions[key.0].is_ready() {
+    fn after_pick_at_front(&mut self, level: usize, still_ready: bool) {
+        if still_ready {
             let ready = &mut self.levels[level].ready;
             if ready.len() > 1 {
                 ready.rotate_left(1);
