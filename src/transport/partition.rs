@@ -220,8 +220,6 @@ pub(super) struct Partition {
     resubscribing_since: Option<tokio::time::Instant>,
     /// On a persistent Failover subscription with the check on.
     stall: Option<StallCheck>,
-    /// Rewinds asked for because the backlog stalled.
-    pub(super) stalls_rewound: u64,
     subscriber: Rc<Subscriber>,
 }
 
@@ -253,7 +251,6 @@ impl Partition {
             pending: Vec::new(),
             resubscribing_since: None,
             stall,
-            stalls_rewound: 0,
             subscriber,
         }
     }
@@ -354,7 +351,6 @@ impl Partition {
         if !stall.stalled(backlog) {
             return;
         }
-        self.stalls_rewound += 1;
         info!(topic = %self.topic, backlog, "the broker has stopped delivering this partition's backlog (a Failover hand-over can leave it so); asking it to deliver again");
         // On a Failover subscription the broker rewinds whatever ids a
         // redelivery request names (it redelivers by id only on Shared and
@@ -362,6 +358,11 @@ impl Partition {
         if let Err(error) = self.settle(MessageIdData::default(), false) {
             warn!(topic = %self.topic, %error, "asking for a rewind failed");
         }
+    }
+
+    /// Rewinds asked for because the backlog stalled.
+    pub(super) fn stalls_rewound(&self) -> u64 {
+        self.stall.as_ref().map_or(0, |stall| stall.rewound)
     }
 
     /// When its stream ended, while it is being subscribed again.

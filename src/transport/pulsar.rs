@@ -522,7 +522,7 @@ impl Consumer for PulsarConsumer {
         Repairs {
             redelivered_after_ack: self.recent_acks.recognised,
             rewinds_repeated,
-            stalls_rewound: self.partitions.iter().map(|p| p.stalls_rewound).sum(),
+            stalls_rewound: self.partitions.iter().map(Partition::stalls_rewound).sum(),
             dropped_in_flight,
             redelivered_after_success: self.batches.redelivered_after_success,
         }

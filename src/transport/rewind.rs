@@ -202,6 +202,8 @@ pub(super) struct StallCheck {
     delivered: bool,
     /// The backlog the last check read, if nothing was delivered since.
     last_backlog: Option<u64>,
+    /// Rewinds asked for because the backlog stalled.
+    pub(super) rewound: u64,
 }
 
 impl StallCheck {
@@ -211,6 +213,7 @@ impl StallCheck {
             next: Box::pin(tokio::time::sleep(every)),
             delivered: false,
             last_backlog: None,
+            rewound: 0,
         }
     }
 
@@ -249,6 +252,7 @@ impl StallCheck {
         let stalled = !self.delivered
             && backlog.is_some_and(|backlog| backlog > 0 && self.last_backlog == Some(backlog));
         self.last_backlog = if stalled { None } else { backlog };
+        self.rewound += u64::from(stalled);
         stalled
     }
 }
@@ -447,6 +451,7 @@ mod tests {
         assert!(!check.stalled(None), "the broker could not be asked");
         assert!(!check.stalled(Some(3)));
         assert!(check.stalled(Some(3)));
+        assert_eq!(check.rewound, 3);
     }
 
     #[tokio::test(start_paused = true)]
