@@ -540,9 +540,7 @@ impl<T: Transport> Job<T> {
     /// so that the handler then runs with no span to enter, clone or drop.
     #[inline(always)]
     fn span(&self, engine: &Engine<T>) -> Option<tracing::Span> {
-        // The macro's own first check, made here (and inline) so that
-        // nothing else of it runs when no subscriber takes debug spans.
-        if tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG {
+        if !debug_spans_wanted() {
             return None;
         }
         self.new_span(engine)
@@ -562,13 +560,12 @@ impl<T: Transport> Job<T> {
         (!span.is_disabled()).then_some(span)
     }
 
-    /// Whether the handler runs with nothing around it: no span wanted (the
-    /// level check of [`span`](Self::span)), no processing deadline, no
-    /// timings. What [`WorkerPool::run`] does then, the worker does itself.
+    /// Whether the handler runs with nothing around it: no span wanted, no
+    /// processing deadline, no timings. What [`WorkerPool::run`] does then,
+    /// the worker does itself.
     #[inline(always)]
     fn runs_plain(&self) -> bool {
-        tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG
-            && self.subscription.plain
+        !debug_spans_wanted() && self.subscription.plain
     }
 
     /// The handler value, as the type its pool runs.
@@ -639,6 +636,14 @@ impl<T: Transport> Job<T> {
             self.engine.watch_timers(&self.subscription);
         }
     }
+}
+
+/// Whether a subscriber may take the per-message debug span: the span
+/// macro's own first check, made inline so that nothing else of it runs
+/// when none does.
+#[inline(always)]
+fn debug_spans_wanted() -> bool {
+    tracing::level_filters::LevelFilter::current() >= tracing::Level::DEBUG
 }
 
 impl<T: Transport> Drop for Job<T> {
