@@ -79,6 +79,14 @@
 //! }
 //! ```
 //!
+//! # Cargo features
+//!
+//! - `compression` (default): the `pulsar` crate's LZ4, zlib, zstd and
+//!   Snappy codecs, so that messages other clients' producers compressed
+//!   are read (Snappy written by Pulsar's other clients excepted: the crate
+//!   reads only its framed format; the README's "Compressed messages" says
+//!   what happens to such a message).
+//!
 //! # Layout
 //!
 //! - `scheduler` (internal, hidden from these docs; its policy types are

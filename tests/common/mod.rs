@@ -414,7 +414,6 @@ pub fn run_local<F: Future>(limit: Duration, fut: F) -> F::Output {
     })
 }
 
-/// A `pulsar` client for the test broker on the current (tokio) runtime.
 /// A dispatcher on the test broker with the default options, in an `Rc`
 /// so that [`start`] can run it while the test holds it.
 pub async fn dispatcher() -> std::rc::Rc<pulsar_dispatcher::Dispatcher> {
@@ -433,6 +432,7 @@ pub async fn dispatcher_with(
     std::rc::Rc::new(dispatcher)
 }
 
+/// A `pulsar` client for the test broker on the current (tokio) runtime.
 pub async fn client() -> pulsar::Pulsar<pulsar::TokioExecutor> {
     let url = pulsar_url();
     pulsar::Pulsar::builder(url.clone(), pulsar::TokioExecutor)
@@ -522,7 +522,8 @@ pub async fn publish_batched(
     publish_with(topic, options, messages).await
 }
 
-async fn publish_with(
+/// [`publish`] with the producer's `options` (batching, compression).
+pub async fn publish_with(
     topic: &str,
     options: pulsar::ProducerOptions,
     messages: impl IntoIterator<Item = pulsar::producer::Message>,

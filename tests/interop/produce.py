@@ -3,11 +3,13 @@
 Interop peer for tests/smoke_pulsar.rs. Reads a JSON request on stdin:
 
     {"service_url": "...", "topic": "...", "batching": false,
+     "compression": "LZ4",
      "messages": [{"payload": "text", "properties": {"k": "v"},
                    "partition_key": "pk", "ordering_key": "ok",
                    "event_timestamp": 1700000000000}, ...]}
 
-Optional fields may be null or missing. Prints `RESULT {"sent": N}` when every
+Optional fields may be null or missing; `compression` names a member of
+`pulsar.CompressionType` (NONE, LZ4, ZLib, ZSTD, SNAPPY). Prints `RESULT {"sent": N}` when every
 message has been acknowledged by the broker.
 """
 
@@ -29,8 +31,10 @@ def main():
     )
     try:
         batching = bool(request.get("batching", False))
+        compression = getattr(pulsar.CompressionType, request.get("compression") or "NONE")
         producer = client.create_producer(
             request["topic"],
+            compression_type=compression,
             batching_enabled=batching,
             # With batching on, hold messages long enough that they share a batch.
             batching_max_publish_delay_ms=50,

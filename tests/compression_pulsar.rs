@@ -1,0 +1,272 @@
+//! Compressed messages on a real broker: producers of other clients (the
+//! Python original's, the JVM's) often compress, and a consumer that
+//! cannot decompress a codec loses its whole stream on the first such
+//! message. Every codec Pulsar has from the `pulsar` crate, and every one
+//! the crate reads from the official Python client, on plain and
+//! partitioned topics, batched and not, on every subscription type; and
+//! Snappy from the Python client, which the crate cannot read, stopping
+//! the dispatcher at the receive failure limit instead of spinning.
+
+#![cfg(feature = "compression")]
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use common::{
+    close_and_join, fresh_topic, run_local, start, unique_name, wait_for_empty_backlog, wait_until,
+    TopicKind,
+};
+use pulsar::compression::{
+    Compression, CompressionLz4, CompressionSnappy, CompressionZlib, CompressionZstd,
+};
+use pulsar_dispatcher::{Message, SubType, SubscribeOptions};
+
+const MESSAGES: usize = 20;
+
+/// Who publishes a case's messages, and with which codec.
+#[derive(Clone, Debug)]
+enum Producer {
+    /// The official Python client, with a `pulsar.CompressionType` name.
+    Python(&'static str),
+    /// The `pulsar` crate.
+    Crate(Compression),
+}
+
+/// One topic of the test: its producer, kind, batching and subscription
+/// type.
+#[derive(Debug)]
+struct Case {
+    producer: Producer,
+    batched: bool,
+    subscription_type: SubType,
+    topic: String,
+}
+
+fn cases() -> Vec<Case> {
+    let producers = [
+        Producer::Python("LZ4"),
+        Producer::Python("ZLib"),
+        Producer::Python("ZSTD"),
+        Producer::Crate(Compression::Lz4(CompressionLz4::default())),
+        Producer::Crate(Compression::Zlib(CompressionZlib::default())),
+        Producer::Crate(Compression::Zstd(CompressionZstd::default())),
+        Producer::Crate(Compression::Snappy(CompressionSnappy::default())),
+    ];
+    let types = [
+        SubType::Exclusive,
+        SubType::Shared,
+        SubType::Failover,
+        SubType::KeyShared,
+    ];
+    let shapes = [
+        ("compressed-plain", TopicKind::Plain, false),
+        ("compressed-partitioned", TopicKind::Partitioned(3), true),
+    ];
+    let mut cases = Vec::new();
+    for (n, producer) in producers.into_iter().enumerate() {
+        for (m, (prefix, kind, batched)) in shapes.into_iter().enumerate() {
+            cases.push(Case {
+                producer: producer.clone(),
+                batched,
+                subscription_type: types[(n + m) % types.len()],
+                topic: fresh_topic(prefix, kind),
+            });
+        }
+    }
+    cases
+}
+
+fn payload(n: usize) -> String {
+    // Long and repetitive enough that every codec really shrinks it.
+    format!("message {n} {}", "compressible ".repeat(40))
+}
+
+async fn produce(case: &Case) {
+    match &case.producer {
+        Producer::Python(codec) => {
+            let request = serde_json::json!({
+                "service_url": common::pulsar_url(),
+                "topic": case.topic,
+                "batching": case.batched,
+                "compression": codec,
+                "messages": (0..MESSAGES)
+                    .map(|n| serde_json::json!({
+                        "payload": payload(n),
+                        "partition_key": format!("key-{}", n % 4),
+                    }))
+                    .collect::<Vec<_>>(),
+            });
+            common::run_interop("produce.py", request).await;
+        }
+        Producer::Crate(compression) => {
+            let options = pulsar::ProducerOptions {
+                compression: Some(compression.clone()),
+                batch_size: case.batched.then_some(5),
+                batch_timeout: case.batched.then_some(Duration::from_millis(20)),
+                ..Default::default()
+            };
+            let messages = (0..MESSAGES).map(|n| pulsar::producer::Message {
+                payload: payload(n).into_bytes(),
+                partition_key: Some(format!("key-{}", n % 4)),
+                ..Default::default()
+            });
+            common::publish_with(&case.topic, options, messages).await;
+        }
+    }
+}
+
+/// Every message of every case is handled once, with the payload it was
+/// published with, and acked: the subscriptions' backlogs empty and the
+/// dispatcher closes without an error.
+#[test]
+fn compressed_messages_of_every_codec_are_handled_and_acked() {
+    run_local(Duration::from_secs(180), async {
+        let cases = cases();
+        let subscription = unique_name("compressed-sub");
+        let dispatcher = common::dispatcher().await;
+        let handled: Rc<RefCell<BTreeMap<String, Vec<String>>>> = Rc::default();
+        for case in &cases {
+            let handled = handled.clone();
+            let topic = case.topic.clone();
+            let handler = async move |message: &Message| {
+                let payload = String::from_utf8_lossy(message.payload()).into_owned();
+                handled
+                    .borrow_mut()
+                    .entry(topic.clone())
+                    .or_default()
+                    .push(payload);
+                Ok::<(), std::convert::Infallible>(())
+            };
+            let options = SubscribeOptions::new()
+                .subscription(&subscription)
+                .subscription_type(case.subscription_type);
+            dispatcher
+                .subscribe(&case.topic, handler, options)
+                .await
+                .unwrap_or_else(|e| panic!("subscribing {case:?}: {e}"));
+        }
+        // Half the cases' messages wait as a backlog when the dispatcher
+        // starts; the others arrive while it runs.
+        let (before, after) = cases.split_at(cases.len() / 2);
+        for case in before {
+            produce(case).await;
+        }
+        let run = start(&dispatcher);
+        for case in after {
+            produce(case).await;
+        }
+        let total = || handled.borrow().values().map(Vec::len).sum::<usize>();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while total() < cases.len() * MESSAGES && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for case in &cases {
+            let count = handled.borrow().get(&case.topic).map_or(0, Vec::len);
+            assert!(count >= MESSAGES, "{case:?}: {count} of {MESSAGES} handled");
+        }
+        for case in &cases {
+            let stats = wait_for_empty_backlog(&case.topic, &subscription).await;
+            assert_eq!(stats.msg_backlog, 0, "{case:?}: every message acked");
+        }
+        close_and_join(&dispatcher, run).await;
+        let handled = handled.borrow();
+        let expected: Vec<String> = (0..MESSAGES).map(payload).collect();
+        for case in &cases {
+            let mut got = handled.get(&case.topic).cloned().unwrap_or_default();
+            got.sort();
+            let mut want = expected.clone();
+            want.sort();
+            assert_eq!(got, want, "{case:?}: each message once, as published");
+        }
+    });
+}
+
+/// The `pulsar` crate reads Snappy in its framed format, while Pulsar's
+/// other clients write raw Snappy blocks: the crate hands such a message
+/// over as a receive error that names no message, and keeps it (unacked)
+/// on its consumer. The dispatcher counts and logs the error and goes on
+/// with every other message; the message itself is not lost: once the
+/// dispatcher closes, the broker gives it to a consumer that can read it,
+/// as in a mixed fleet with the Python original.
+#[test]
+fn a_message_the_crate_cannot_read_is_counted_and_left_to_another_client() {
+    run_local(Duration::from_secs(120), async {
+        let topic = fresh_topic("unreadable", TopicKind::Partitioned(3));
+        let subscription = unique_name("unreadable-sub");
+        let partition = |index: u32| format!("{topic}-partition-{index}");
+        let dispatcher = common::dispatcher().await;
+        let handled: Rc<RefCell<Vec<String>>> = Rc::default();
+        let handler = {
+            let handled = handled.clone();
+            async move |message: &Message| {
+                handled.borrow_mut().push(message.topic().to_owned());
+                Ok::<(), std::convert::Infallible>(())
+            }
+        };
+        let options = SubscribeOptions::new()
+            .subscription(&subscription)
+            .subscription_type(SubType::Shared);
+        dispatcher
+            .subscribe(&topic, handler, options)
+            .await
+            .unwrap();
+        let unreadable = serde_json::json!({
+            "service_url": common::pulsar_url(),
+            "topic": partition(0),
+            "compression": "SNAPPY",
+            "messages": [{ "payload": payload(0) }],
+        });
+        common::run_interop("produce.py", unreadable).await;
+        let readable = |index: u32| {
+            (0..3).map(move |n| pulsar::producer::Message {
+                payload: format!("{index}-{n}").into_bytes(),
+                ..Default::default()
+            })
+        };
+        common::publish(&partition(0), readable(0)).await;
+        let run = start(&dispatcher);
+        common::publish(&partition(1), readable(1)).await;
+        common::publish(&partition(2), readable(2)).await;
+        let from_others = || {
+            let handled = handled.borrow();
+            handled.iter().filter(|t| **t != partition(0)).count()
+        };
+        wait_until(
+            "the other partitions' messages",
+            Duration::from_secs(30),
+            || from_others() == 6 && dispatcher.stats().total().receive_errors >= 1,
+        )
+        .await;
+        // The readable messages behind the unreadable one on its partition
+        // are not held up by it.
+        wait_until(
+            "partition 0's readable messages",
+            Duration::from_secs(30),
+            || handled.borrow().len() == 9,
+        )
+        .await;
+        assert!(!run.is_finished(), "the dispatcher goes on");
+        for index in 1..3 {
+            let stats = wait_for_empty_backlog(&partition(index), &subscription).await;
+            assert_eq!(stats.msg_backlog, 0, "partition {index}");
+        }
+        close_and_join(&dispatcher, run).await;
+        let stats = dispatcher.stats().total();
+        assert_eq!((stats.received, stats.acked), (9, 9), "{stats:?}");
+        let request = serde_json::json!({
+            "service_url": common::pulsar_url(),
+            "topic": topic,
+            "subscription": subscription,
+            "count": 1,
+            "timeout_ms": 30000,
+        });
+        let consumed = common::run_interop("consume.py", request).await;
+        let messages = consumed["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 1, "{consumed}");
+        assert_eq!(messages[0]["payload"], payload(0), "{consumed}");
+    });
+}
