@@ -18,6 +18,7 @@
 //! The traits carry no `Send` bounds on purpose: the whole dispatcher lives
 //! on one thread.
 
+mod chunks;
 mod memory;
 mod nodelay;
 mod partition;

@@ -22,6 +22,9 @@
 //! tracks every member's id, the entry is acked once per member, each by
 //! the id the crate handed out.
 //!
+//! A message its producer split into chunks is put back together before it
+//! is handed out, and all its chunks are settled with it (see `chunks`).
+//!
 //! On Exclusive and Failover subscriptions a nack rewinds the whole
 //! subscription; `rewind` drops the second copies that delivers of messages
 //! still being handled, and asks for one more rewind once idle, since the
@@ -35,6 +38,7 @@ use std::time::Instant;
 use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, SubType, TokioExecutor};
 
+use super::chunks::{Assembled, ChunkId, ChunkedMessages};
 use super::nodelay::BrokerSockets;
 use super::partition::{
     close_partitions, subscribe_partitions, AddedPartitions, Partition, Subscriber,
@@ -132,6 +136,7 @@ impl Transport for PulsarTransport {
             partitions,
             next_partition: 0,
             batches: BatchSettlements::default(),
+            chunks: ChunkedMessages::default(),
             recent_acks: RecentAcks::new(remembered),
             rewinds,
             acks_each_member,
@@ -186,6 +191,7 @@ pub struct PulsarConsumer {
     /// Where the next receive starts looking, so that partitions take turns.
     next_partition: usize,
     batches: BatchSettlements,
+    chunks: ChunkedMessages,
     recent_acks: RecentAcks,
     /// On a persistent topic, the messages handed out and not settled,
     /// whose second copies are dropped, and on Exclusive and Failover
@@ -201,6 +207,10 @@ pub struct PulsarConsumer {
     persistent: bool,
     brokers: Rc<BrokerSockets>,
 }
+
+/// A message received whole, and the other chunks it was put together
+/// from (none unless its producer chunked it).
+type WholeMessage = (Message, Vec<ChunkId>);
 
 /// A subscription name for a consumer whose spec names none: random, so
 /// that two such consumers never share a subscription.
@@ -261,14 +271,26 @@ impl PulsarConsumer {
         }
         for _ in 0..SKIPS_PER_RECEIVE {
             match self.poll_next_partition(cx) {
-                Poll::Ready(Some(Ok(message))) if self.was_acked(message.id()) => continue,
-                Poll::Ready(Some(Ok(message))) if self.settled_before(message.id()) => continue,
-                Poll::Ready(Some(Ok(message))) if self.is_being_handled(message.id()) => continue,
+                // A chunk, held until its message is whole.
+                Poll::Ready(Some(Ok(None))) => continue,
+                Poll::Ready(Some(Ok(Some((message, chunks))))) => {
+                    let id = message.id();
+                    if self.was_acked(id) {
+                        self.settle_chunks(chunks, true);
+                        continue;
+                    }
+                    if self.settled_before(id) || self.is_being_handled(id) {
+                        continue;
+                    }
+                    self.chunks.hand_out(entry_of(id), chunks);
+                    return Poll::Ready(Some(Ok(message)));
+                }
+                Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error))),
+                Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Pending => {
                     self.rewind_again_if_due(cx);
                     return Poll::Pending;
                 }
-                polled => return polled,
             }
         }
         cx.waker().wake_by_ref();
@@ -356,10 +378,12 @@ impl PulsarConsumer {
         }
     }
 
+    /// The next message of any partition with the other chunks it was put
+    /// together from, if it was chunked; `None` for a chunk held.
     fn poll_next_partition(
         &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Message, TransportError>>> {
+    ) -> Poll<Option<Result<Option<WholeMessage>, TransportError>>> {
         let count = self.partitions.len();
         // A plain topic's ids name no partition: its unsettled messages
         // are all the one partition's.
@@ -388,13 +412,32 @@ impl PulsarConsumer {
         Poll::Pending
     }
 
-    fn convert(&self, partition: usize, received: pulsar::consumer::Message<Vec<u8>>) -> Message {
+    /// The message received, whole: with the other chunks it was put
+    /// together from, or `None` while its chunks are arriving.
+    fn convert(
+        &mut self,
+        partition: usize,
+        received: pulsar::consumer::Message<Vec<u8>>,
+    ) -> Option<WholeMessage> {
         let pulsar::Payload { metadata, data } = received.payload;
         let mut id = received.message_id.id;
         if self.is_partitioned() {
             // The partition is also what settlement goes by.
             id.partition = Some(partition as i32);
         }
+        let mut given_up = Vec::new();
+        let assembled = self
+            .chunks
+            .accept(partition, &id, &metadata, data, &mut given_up);
+        if !given_up.is_empty() {
+            tracing::warn!(topic = %self.partitions[partition].topic, chunks = given_up.len(), "chunks of a message that cannot be put together here (its first chunk never came, or too many chunked messages arrive at once); nacked");
+            self.settle_chunks(given_up, false);
+        }
+        let (data, chunks) = match assembled {
+            Assembled::Whole(data) => (data, Vec::new()),
+            Assembled::Complete(data, chunks) => (data, chunks),
+            Assembled::Held => return None,
+        };
         let topic = self.partitions[partition].topic.clone();
         let id = MessageId::from_broker(id, received.message_id.batch_size);
         let mut message = Message::new(topic, id, data);
@@ -410,7 +453,18 @@ impl PulsarConsumer {
             event_time: metadata.event_time,
         });
         message.publish_time = metadata.publish_time;
-        message
+        Some((message, chunks))
+    }
+
+    /// Settles chunks: those of a message settled, besides its last, or
+    /// those given up (nacked).
+    fn settle_chunks(&mut self, chunks: Vec<ChunkId>, succeeded: bool) {
+        for (index, id) in chunks {
+            let partition = &mut self.partitions[index];
+            if let Err(error) = partition.settle(id, succeeded) {
+                tracing::warn!(topic = %partition.topic, %error, "settling a chunk failed");
+            }
+        }
     }
 
     /// The index of the partition a message id belongs to.
@@ -435,6 +489,9 @@ impl PulsarConsumer {
         }
         if let Some(rewinds) = &mut self.rewinds {
             rewinds.settled(id);
+        }
+        if let Some(chunks) = self.chunks.settled(entry_of(id)) {
+            self.settle_chunks(chunks, succeeded);
         }
         let Some(succeeded) = self.batches.settle(id, succeeded, &self.recent_acks) else {
             return Ok(());

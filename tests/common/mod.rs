@@ -381,6 +381,68 @@ pub fn python() -> PathBuf {
     }
 }
 
+/// Publishes `messages` (topic, payload, partition key) with Pulsar's
+/// Java client, chunking each into pieces of at most `chunk_bytes`
+/// (`tests/interop/ProduceChunked.java`; `PULSAR_DISPATCHER_JAVA` and
+/// `PULSAR_DISPATCHER_JAVA_CLASSPATH`, set by `cargo xtask test`, name
+/// Java and the broker's jars). Payloads are one line of text each. Runs
+/// on tokio's blocking pool.
+pub async fn produce_chunked_with_java(
+    chunk_bytes: usize,
+    messages: Vec<(String, String, Option<String>)>,
+) {
+    let java = required_env("PULSAR_DISPATCHER_JAVA");
+    let classpath = required_env("PULSAR_DISPATCHER_JAVA_CLASSPATH");
+    let script = interop_script("ProduceChunked.java");
+    let args = [pulsar_url(), chunk_bytes.to_string()];
+    let input: String = messages
+        .iter()
+        .map(|(topic, payload, key)| match key {
+            Some(key) => format!("{topic}\t{payload}\t{key}\n"),
+            None => format!("{topic}\t{payload}\n"),
+        })
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        let mut child = Command::new(&java)
+            .arg("-cp")
+            .arg(&classpath)
+            .arg(&script)
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("running {java} {}: {e}", script.display()));
+        child
+            .stdin
+            .take()
+            .expect("piped stdin")
+            .write_all(input.as_bytes())
+            .expect("writing the messages");
+        let out = child.wait_with_output().expect("waiting for java");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("RESULT"),
+            "{} failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
+            script.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    })
+    .await
+    .expect("java runner thread")
+}
+
+fn required_env(name: &str) -> String {
+    match std::env::var(name) {
+        Ok(value) if !value.is_empty() => value,
+        _ => panic!(
+            "{name} is not set: `cargo xtask test` sets it; to run tests by hand, run \
+             `cargo xtask test` once and export what it sets (see the README)"
+        ),
+    }
+}
+
 /// Path of a script under `tests/interop/`.
 pub fn interop_script(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -489,6 +489,15 @@ fn jvm_options(paths: &Paths) -> Vec<String> {
     opts
 }
 
+/// Java and the broker's classpath (which holds Pulsar's Java client), for
+/// the tests' Java peer: the jars are resolved if they are missing, also
+/// when the tests use a broker that was already running.
+pub fn java_client(paths: &Paths) -> Result<(PathBuf, String), String> {
+    let java = java_command()?;
+    let lib_dir = ensure_jars(paths, &pulsar_version(&paths.broker_pom)?)?;
+    Ok((java, format!("{}/*", lib_dir.display())))
+}
+
 /// `$JAVA_HOME/bin/java` or `java` on PATH, checked to be Java 17 or newer.
 fn java_command() -> Result<PathBuf, String> {
     let java = match non_empty_env("JAVA_HOME") {

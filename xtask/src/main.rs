@@ -354,11 +354,14 @@ fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
     let addr = BrokerAddr::from_env()?;
     // Dropping `started` stops the broker, on every way out of this function.
     let started = broker::ensure_running(paths, &addr)?;
+    let (java, java_classpath) = broker::java_client(paths)?;
 
     let env = [
         ("PULSAR_URL", addr.service_url.clone()),
         ("PULSAR_WEB_URL", addr.web_url.clone()),
         ("PULSAR_DISPATCHER_PYTHON", python.display().to_string()),
+        ("PULSAR_DISPATCHER_JAVA", java.display().to_string()),
+        ("PULSAR_DISPATCHER_JAVA_CLASSPATH", java_classpath),
     ];
     let mut failures = Vec::new();
     let mut tests = cargo();

@@ -1,0 +1,152 @@
+//! Chunked messages on a real broker: a message its producer (here Pulsar's
+//! Java client) split into chunks, each a broker entry of its own, reaches
+//! its handler whole, once, and every chunk is acked with it; a chunked
+//! message that fails is delivered again and put together again. On plain
+//! and partitioned topics, every subscription type, chunked and whole
+//! messages mixed, as a backlog at subscribe and live.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use common::{
+    close_and_join, fresh_topic, run_local, start, unique_name, wait_for_empty_backlog, TopicKind,
+};
+use pulsar_dispatcher::{Message, SubType, SubscribeOptions};
+
+/// The producer's chunk size: every message above it is chunked.
+const CHUNK_BYTES: usize = 1000;
+
+/// The payloads sent to each topic: three chunked (4, 3 and 2 chunks) and
+/// two whole, each starting with its own name.
+fn payloads() -> Vec<String> {
+    let sized = |name: &str, size: usize| format!("{name}-{}", "x".repeat(size - name.len() - 1));
+    vec![
+        sized("big", 3500),
+        "small".to_owned(),
+        sized("middle", 2500),
+        sized("just-over", CHUNK_BYTES + 1),
+        "tiny".to_owned(),
+    ]
+}
+
+/// The payload's name, before its padding.
+fn name_of(payload: &str) -> &str {
+    payload.split('-').next().unwrap_or(payload)
+}
+
+struct Case {
+    topic: String,
+    kind: TopicKind,
+    subscription_type: SubType,
+}
+
+#[test]
+fn chunked_messages_reach_their_handler_whole_and_all_their_chunks_are_acked() {
+    run_local(Duration::from_secs(180), async {
+        let mut cases = Vec::new();
+        for kind in [TopicKind::Plain, TopicKind::Partitioned(3)] {
+            for subscription_type in [
+                SubType::Exclusive,
+                SubType::Failover,
+                SubType::Shared,
+                SubType::KeyShared,
+            ] {
+                cases.push(Case {
+                    topic: fresh_topic("chunked", kind),
+                    kind,
+                    subscription_type,
+                });
+            }
+        }
+        let subscription = unique_name("chunked-sub");
+        let dispatcher = common::dispatcher().await;
+        // Per topic, the payload lengths and names handled, in order.
+        let handled: Rc<RefCell<BTreeMap<String, Vec<String>>>> = Rc::default();
+        for case in &cases {
+            let handled = handled.clone();
+            let handler = async move |message: &Message| {
+                let payload = String::from_utf8_lossy(message.payload()).into_owned();
+                let mut handled = handled.borrow_mut();
+                let runs = handled.entry(message.topic().to_owned()).or_default();
+                let first_run_of_big =
+                    name_of(&payload) == "big" && !runs.iter().any(|seen| name_of(seen) == "big");
+                runs.push(payload);
+                if first_run_of_big {
+                    return Err("fails its first run");
+                }
+                Ok(())
+            };
+            let options = SubscribeOptions::new()
+                .subscription(&subscription)
+                .subscription_type(case.subscription_type)
+                .negative_ack_redelivery_delay(Duration::from_millis(200));
+            dispatcher
+                .subscribe(&case.topic, handler, options)
+                .await
+                .unwrap();
+        }
+        let messages = |cases: &[Case]| {
+            let mut messages = Vec::new();
+            for case in cases {
+                for (n, payload) in payloads().into_iter().enumerate() {
+                    let key = format!("key-{n}");
+                    messages.push((case.topic.clone(), payload, Some(key)));
+                }
+            }
+            messages
+        };
+        // Half the topics have their messages waiting when the dispatcher
+        // starts; the others' arrive while it runs.
+        let (before, after) = cases.split_at(cases.len() / 2);
+        common::produce_chunked_with_java(CHUNK_BYTES, messages(before)).await;
+        let run = start(&dispatcher);
+        common::produce_chunked_with_java(CHUNK_BYTES, messages(after)).await;
+        for case in &cases {
+            let stats = wait_for_empty_backlog(&case.topic, &subscription).await;
+            let runs: Vec<(String, usize)> = handled
+                .borrow()
+                .iter()
+                .filter(|(topic, _)| common::is_topic_or_partition(topic, &case.topic, case.kind))
+                .flat_map(|(_, runs)| runs.iter().map(|run| (name_of(run).to_owned(), run.len())))
+                .collect();
+            assert_eq!(
+                stats.msg_backlog, 0,
+                "{} ({:?}): every chunk acked; handled {runs:?}",
+                case.topic, case.subscription_type
+            );
+        }
+        close_and_join(&dispatcher, run).await;
+        let handled = handled.borrow();
+        let expected = payloads();
+        for case in &cases {
+            let what = format!("{} ({:?})", case.topic, case.subscription_type);
+            let runs: Vec<String> = handled
+                .iter()
+                .filter(|(topic, _)| common::is_topic_or_partition(topic, &case.topic, case.kind))
+                .flat_map(|(_, runs)| runs.iter().cloned())
+                .collect();
+            for payload in &expected {
+                let count = runs.iter().filter(|run| *run == payload).count();
+                let want = if name_of(payload) == "big" { 2 } else { 1 };
+                assert_eq!(
+                    count,
+                    want,
+                    "{what}: {} handled whole {count} times",
+                    name_of(payload)
+                );
+            }
+            assert_eq!(
+                runs.len(),
+                expected.len() + 1,
+                "{what}: nothing but whole messages: {:?}",
+                runs.iter()
+                    .map(|run| (name_of(run), run.len()))
+                    .collect::<Vec<_>>()
+            );
+        }
+    });
+}
