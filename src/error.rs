@@ -49,6 +49,17 @@ pub enum TransportError {
     /// The `pulsar` crate reported an error.
     #[error(transparent)]
     Pulsar(#[from] pulsar::Error),
+    /// A message arrived encrypted, which the `pulsar` crate cannot
+    /// decrypt: it is not handed out, and stays unacked with the consumer
+    /// (as a Java consumer's `ConsumerCryptoFailureAction::FAIL` leaves
+    /// it), for a consumer that holds the key once this one closes.
+    #[error("message {message_id} of {topic} is encrypted, which the `pulsar` crate cannot decrypt; left unacknowledged")]
+    Encrypted {
+        /// The topic (or partition) it came from.
+        topic: String,
+        /// Its id on the broker.
+        message_id: String,
+    },
     /// A consumer's stream ended (the `pulsar` crate gave up on its
     /// connection); the consumer is being subscribed again.
     #[error("the consumer of {topic} ended; subscribing it again")]

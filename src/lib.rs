@@ -84,8 +84,8 @@
 //! - `compression` (default): the `pulsar` crate's LZ4, zlib, zstd and
 //!   Snappy codecs, so that messages other clients' producers compressed
 //!   are read (Snappy written by Pulsar's other clients excepted: the crate
-//!   reads only its framed format; the README's "Compressed and chunked
-//!   messages" says what happens to such a message).
+//!   reads only its framed format; the README's "Compressed, chunked
+//!   and encrypted messages" says what happens to such a message).
 //!
 //! # Layout
 //!

@@ -1,11 +1,11 @@
-//! Compressed messages on a real broker: producers of other clients (the
-//! Python original's, the JVM's) often compress, and a consumer that
-//! cannot decompress a codec loses its whole stream on the first such
-//! message. Every codec Pulsar has from the `pulsar` crate, and every one
-//! the crate reads from the official Python client, on plain and
-//! partitioned topics, batched and not, on every subscription type; and
-//! Snappy from the Python client, which the crate cannot read, stopping
-//! the dispatcher at the receive failure limit instead of spinning.
+//! Compressed and encrypted messages on a real broker: producers of other
+//! clients (the Python original's, the JVM's) often compress, and a
+//! consumer that cannot decompress a codec loses every such message. Every
+//! codec Pulsar has from the `pulsar` crate, and every one the crate reads
+//! from the official Python client, on plain and partitioned topics,
+//! batched and not, on every subscription type; Snappy from the Python
+//! client, which the crate cannot read, and an encrypted message, which it
+//! cannot decrypt, reported and left for a consumer that can.
 
 #![cfg(feature = "compression")]
 
@@ -269,4 +269,104 @@ fn a_message_the_crate_cannot_read_is_counted_and_left_to_another_client() {
         assert_eq!(messages.len(), 1, "{consumed}");
         assert_eq!(messages[0]["payload"], payload(0), "{consumed}");
     });
+}
+
+/// A message encrypted by its producer (Pulsar's end-to-end encryption,
+/// which the `pulsar` crate does not implement) never reaches a handler
+/// as ciphertext: it is reported as a receive error naming it, counted,
+/// and left unacked, while the messages around it are handled. Once the
+/// dispatcher closes, a Python consumer holding the key reads it.
+#[test]
+fn an_encrypted_message_is_reported_and_left_to_a_consumer_with_the_key() {
+    run_local(Duration::from_secs(120), async {
+        let keys = test_key_pair();
+        let topic = fresh_topic("encrypted", TopicKind::Partitioned(2));
+        let subscription = unique_name("encrypted-sub");
+        let partition = |index: u32| format!("{topic}-partition-{index}");
+        let dispatcher = common::dispatcher().await;
+        let handled: Rc<RefCell<Vec<String>>> = Rc::default();
+        let handler = {
+            let handled = handled.clone();
+            async move |message: &Message| {
+                let payload = String::from_utf8_lossy(message.payload()).into_owned();
+                handled.borrow_mut().push(payload);
+                Ok::<(), std::convert::Infallible>(())
+            }
+        };
+        let options = SubscribeOptions::new()
+            .subscription(&subscription)
+            .subscription_type(SubType::Failover);
+        dispatcher
+            .subscribe(&topic, handler, options)
+            .await
+            .unwrap();
+        let send = |index: u32, payload: &str, encrypted: bool| {
+            let mut request = serde_json::json!({
+                "service_url": common::pulsar_url(),
+                "topic": partition(index),
+                "messages": [{ "payload": payload }],
+            });
+            if encrypted {
+                request["encryption"] = keys.clone();
+            }
+            common::run_interop("produce.py", request)
+        };
+        send(0, "before", false).await;
+        send(0, "secret", true).await;
+        send(0, "after", false).await;
+        let run = start(&dispatcher);
+        send(1, "elsewhere", false).await;
+        wait_until("the readable messages", Duration::from_secs(30), || {
+            handled.borrow().len() == 3 && dispatcher.stats().total().receive_errors >= 1
+        })
+        .await;
+        assert!(!run.is_finished(), "the dispatcher goes on");
+        close_and_join(&dispatcher, run).await;
+        let mut handled = handled.borrow().clone();
+        handled.sort();
+        assert_eq!(handled, ["after", "before", "elsewhere"]);
+        let request = serde_json::json!({
+            "service_url": common::pulsar_url(),
+            "topic": topic,
+            "subscription": subscription,
+            "count": 1,
+            "timeout_ms": 30000,
+            "crypto": keys,
+        });
+        let consumed = common::run_interop("consume.py", request).await;
+        let messages = consumed["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 1, "{consumed}");
+        assert_eq!(messages[0]["payload"], "secret", "{consumed}");
+    });
+}
+
+/// A fresh RSA key pair in PEM files under `target/tmp`, made with
+/// `openssl`, as the Python client's `CryptoKeyReader` reads them.
+fn test_key_pair() -> serde_json::Value {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(unique_name("keys"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let private = dir.join("private.pem");
+    let public = dir.join("public.pem");
+    let openssl = |args: &[&std::ffi::OsStr]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("running openssl");
+        assert!(out.status.success(), "openssl {args:?}: {out:?}");
+    };
+    openssl(&[
+        "genrsa".as_ref(),
+        "-out".as_ref(),
+        private.as_os_str(),
+        "2048".as_ref(),
+    ]);
+    openssl(&[
+        "rsa".as_ref(),
+        "-in".as_ref(),
+        private.as_os_str(),
+        "-pubout".as_ref(),
+        "-out".as_ref(),
+        public.as_os_str(),
+    ]);
+    serde_json::json!({ "public_key": public, "private_key": private })
 }

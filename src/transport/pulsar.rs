@@ -405,7 +405,7 @@ impl PulsarConsumer {
                 }
                 Poll::Ready(Ok(received)) => {
                     self.next_partition = (index + 1) % count;
-                    return Poll::Ready(Some(Ok(self.convert(index, received))));
+                    return Poll::Ready(Some(self.convert(index, received)));
                 }
             }
         }
@@ -413,17 +413,24 @@ impl PulsarConsumer {
     }
 
     /// The message received, whole: with the other chunks it was put
-    /// together from, or `None` while its chunks are arriving.
+    /// together from, or `None` while its chunks are arriving; an error
+    /// for a message that cannot be read (encrypted), left unsettled.
     fn convert(
         &mut self,
         partition: usize,
         received: pulsar::consumer::Message<Vec<u8>>,
-    ) -> Option<WholeMessage> {
+    ) -> Result<Option<WholeMessage>, TransportError> {
         let pulsar::Payload { metadata, data } = received.payload;
         let mut id = received.message_id.id;
         if self.is_partitioned() {
             // The partition is also what settlement goes by.
             id.partition = Some(partition as i32);
+        }
+        if !metadata.encryption_keys.is_empty() {
+            return Err(TransportError::Encrypted {
+                topic: self.partitions[partition].topic.to_string(),
+                message_id: MessageId::from_broker(id, None).to_string(),
+            });
         }
         let mut given_up = Vec::new();
         let assembled = self
@@ -436,7 +443,7 @@ impl PulsarConsumer {
         let (data, chunks) = match assembled {
             Assembled::Whole(data) => (data, Vec::new()),
             Assembled::Complete(data, chunks) => (data, chunks),
-            Assembled::Held => return None,
+            Assembled::Held => return Ok(None),
         };
         let topic = self.partitions[partition].topic.clone();
         let id = MessageId::from_broker(id, received.message_id.batch_size);
@@ -453,7 +460,7 @@ impl PulsarConsumer {
             event_time: metadata.event_time,
         });
         message.publish_time = metadata.publish_time;
-        Some((message, chunks))
+        Ok(Some((message, chunks)))
     }
 
     /// Settles chunks: those of a message settled, besides its last, or

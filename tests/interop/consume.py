@@ -3,13 +3,15 @@
 Interop peer for tests/smoke_pulsar.rs. Reads a JSON request on stdin:
 
     {"service_url": "...", "topic": "...", "subscription": "...",
-     "count": N, "timeout_ms": 20000}
+     "count": N, "timeout_ms": 20000,
+     "crypto": {"public_key": "pub.pem", "private_key": "priv.pem"}}
 
 Subscribes (Shared, from the earliest message), receives and acknowledges N
 messages and prints `RESULT {"messages": [...]}`, one object per message with
 its payload, properties, partition key, ordering key, event and publish
 timestamps and redelivery count. Exits with status 2 if fewer than N messages
-arrive in time.
+arrive in time. `crypto`, optional, names the PEM files of the RSA key pair
+that encrypted the messages.
 """
 
 import json
@@ -44,9 +46,14 @@ def main():
     )
     received = []
     try:
+        crypto = {}
+        if request.get("crypto"):
+            keys = request["crypto"]
+            crypto["crypto_key_reader"] = pulsar.CryptoKeyReader(keys["public_key"], keys["private_key"])
         consumer = client.subscribe(
             request["topic"],
             request["subscription"],
+            **crypto,
             consumer_type=pulsar.ConsumerType.Shared,
             initial_position=pulsar.InitialPosition.Earliest,
         )

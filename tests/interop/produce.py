@@ -4,12 +4,14 @@ Interop peer for tests/smoke_pulsar.rs. Reads a JSON request on stdin:
 
     {"service_url": "...", "topic": "...", "batching": false,
      "compression": "LZ4",
+     "encryption": {"public_key": "pub.pem", "private_key": "priv.pem"},
      "messages": [{"payload": "text", "properties": {"k": "v"},
                    "partition_key": "pk", "ordering_key": "ok",
                    "event_timestamp": 1700000000000}, ...]}
 
 Optional fields may be null or missing; `compression` names a member of
-`pulsar.CompressionType` (NONE, LZ4, ZLib, ZSTD, SNAPPY). Prints `RESULT {"sent": N}` when every
+`pulsar.CompressionType` (NONE, LZ4, ZLib, ZSTD, SNAPPY); `encryption` names
+the PEM files of an RSA key pair, and the messages are encrypted with it. Prints `RESULT {"sent": N}` when every
 message has been acknowledged by the broker.
 """
 
@@ -32,8 +34,16 @@ def main():
     try:
         batching = bool(request.get("batching", False))
         compression = getattr(pulsar.CompressionType, request.get("compression") or "NONE")
+        encryption = {}
+        if request.get("encryption"):
+            keys = request["encryption"]
+            encryption = {
+                "encryption_key": "test-key",
+                "crypto_key_reader": pulsar.CryptoKeyReader(keys["public_key"], keys["private_key"]),
+            }
         producer = client.create_producer(
             request["topic"],
+            **encryption,
             compression_type=compression,
             batching_enabled=batching,
             # With batching on, hold messages long enough that they share a batch.

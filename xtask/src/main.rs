@@ -21,7 +21,7 @@ const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  test [ARGS...]   install what is missing (protoc, Python venv, broker jars), start a
+  test [ARGS...]   install what is missing (protoc, openssl, Python venv, broker jars), start a
                    Pulsar broker unless one answers, run every test
                    (`cargo test --workspace --all-targets --no-fail-fast`, then
                    `cargo test --workspace --doc`, then the quick fault-injection
@@ -350,6 +350,7 @@ fn cmd_broker_status(paths: &Paths) -> Result<(), String> {
 
 fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
     setup::ensure_protoc()?;
+    setup::ensure_openssl()?;
     let python = setup::ensure_python_env(paths)?;
     let addr = BrokerAddr::from_env()?;
     // Dropping `started` stops the broker, on every way out of this function.

@@ -38,17 +38,28 @@ pub fn ensure_protoc() -> Result<(), String> {
             return Ok(());
         }
     }
-    if on_path("protoc") {
+    ensure_tool("protoc", "protobuf-compiler", "or point PROTOC at one")
+}
+
+/// Installs Debian's openssl when `openssl` is not on PATH: a test makes
+/// the RSA key pair of an encrypted message with it.
+pub fn ensure_openssl() -> Result<(), String> {
+    ensure_tool("openssl", "openssl", "")
+}
+
+/// Installs the Debian package `package` with apt-get when `tool` is not on
+/// PATH (as root only; otherwise fails saying what to install).
+fn ensure_tool(tool: &str, package: &str, otherwise: &str) -> Result<(), String> {
+    if on_path(tool) {
         return Ok(());
     }
-    let how = "install protoc (Debian/Ubuntu: apt-get install -y protobuf-compiler) \
-               or point PROTOC at one";
+    let how = format!("install {tool} (Debian/Ubuntu: apt-get install -y {package}) {otherwise}");
     if !is_root() || !on_path("apt-get") {
         return Err(format!(
-            "`protoc` is not on PATH and xtask can install it only as root with apt-get: {how}"
+            "`{tool}` is not on PATH and xtask can install it only as root with apt-get: {how}"
         ));
     }
-    info("protoc is missing; installing Debian's protobuf-compiler");
+    info(&format!("{tool} is missing; installing Debian's {package}"));
     let noninteractive = |cmd: &mut Command| {
         cmd.env("DEBIAN_FRONTEND", "noninteractive");
     };
@@ -57,17 +68,11 @@ pub fn ensure_protoc() -> Result<(), String> {
     noninteractive(&mut update);
     run_checked(&mut update)?;
     let mut install = Command::new("apt-get");
-    install.args([
-        "install",
-        "-y",
-        "-q",
-        "--no-install-recommends",
-        "protobuf-compiler",
-    ]);
+    install.args(["install", "-y", "-q", "--no-install-recommends", package]);
     noninteractive(&mut install);
     run_checked(&mut install)?;
-    if !on_path("protoc") {
-        return Err(format!("protoc still not on PATH after apt-get: {how}"));
+    if !on_path(tool) {
+        return Err(format!("{tool} still not on PATH after apt-get: {how}"));
     }
     Ok(())
 }
