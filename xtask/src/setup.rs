@@ -1,8 +1,7 @@
 //! Installs what the build and the tests need and a fresh machine lacks:
-//! `protoc` (for the `pulsar` crate's build script), `openssl` (for a test's
-//! key pair) and a Python virtualenv
-//! with the official Pulsar Python client (interop tests) and the Python
-//! pulsar-dispatcher (benchmark peer).
+//! `protoc` (for the `pulsar` crate's build script), `openssl` (for a
+//! test's key pair) and a Python virtualenv with the official Pulsar Python
+//! client (interop tests) and the Python pulsar-dispatcher (benchmark peer).
 
 use std::path::PathBuf;
 use std::process::Command;
