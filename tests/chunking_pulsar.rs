@@ -1,9 +1,10 @@
 //! Chunked messages on a real broker: a message its producer (here Pulsar's
 //! Java client) split into chunks, each a broker entry of its own, reaches
 //! its handler whole, once, and every chunk is acked with it; a chunked
-//! message that fails is delivered again and put together again. On plain
-//! and partitioned topics, every subscription type, chunked and whole
-//! messages mixed, as a backlog at subscribe and live.
+//! message that fails is delivered again and put together again, and one
+//! retried and dead-lettered is published whole. On plain and partitioned
+//! topics, every subscription type, chunked and whole messages mixed, as a
+//! backlog at subscribe and live.
 
 mod common;
 
@@ -148,5 +149,80 @@ fn chunked_messages_reach_their_handler_whole_and_all_their_chunks_are_acked() {
                     .collect::<Vec<_>>()
             );
         }
+    });
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("busy, try later")]
+struct Busy;
+
+/// A chunked message that keeps failing with a retryable error is
+/// retried through the retry topic and then dead-lettered, whole each
+/// time: the copies carry the payload put together, not a chunk.
+#[test]
+fn a_chunked_message_is_retried_and_dead_lettered_whole() {
+    run_local(Duration::from_secs(120), async {
+        let topic = fresh_topic("chunked-retry", TopicKind::Partitioned(2));
+        let retry_topic = common::unique_topic("chunked-retry-r");
+        let subscription = unique_name("chunked-retry-sub");
+        let dead_letters = format!("{topic}-{subscription}-DLQ");
+        let dispatcher = common::dispatcher().await;
+        let runs: Rc<RefCell<Vec<(String, usize)>>> = Rc::default();
+        let failing = {
+            let runs = runs.clone();
+            Rc::new(async move |message: &Message| {
+                let run = (message.topic().to_owned(), message.payload().len());
+                runs.borrow_mut().push(run);
+                Err::<(), _>(Busy)
+            })
+        };
+        let options = SubscribeOptions::new()
+            .subscription(&subscription)
+            .subscription_type(SubType::Shared)
+            .retry_errors(pulsar_dispatcher::ErrorClass::of::<Busy>())
+            .retry_topic(&retry_topic)
+            .retry_backoff(|_| Duration::from_millis(100))
+            .max_retries(1);
+        for subscribed in [&topic, &retry_topic] {
+            let failing = failing.clone();
+            let handler = async move |message: &Message| failing(message).await;
+            dispatcher
+                .subscribe(subscribed, handler, options.clone())
+                .await
+                .unwrap();
+        }
+        let dead: Rc<RefCell<Vec<usize>>> = Rc::default();
+        let recorder = {
+            let dead = dead.clone();
+            async move |message: &Message| {
+                dead.borrow_mut().push(message.payload().len());
+                Ok::<(), std::convert::Infallible>(())
+            }
+        };
+        let reader = SubscribeOptions::new()
+            .subscription(unique_name("dlq-reader"))
+            .subscription_type(SubType::Shared);
+        dispatcher
+            .subscribe(&dead_letters, recorder, reader)
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        let payload = format!("big-{}", "y".repeat(3496));
+        common::produce_chunked_with_java(CHUNK_BYTES, vec![(topic.clone(), payload, None)]).await;
+        common::wait_until("the dead letter", Duration::from_secs(30), || {
+            !dead.borrow().is_empty()
+        })
+        .await;
+        for drained in [&topic, &retry_topic] {
+            let stats = wait_for_empty_backlog(drained, &subscription).await;
+            assert_eq!(stats.msg_backlog, 0, "{drained}");
+        }
+        close_and_join(&dispatcher, run).await;
+        let runs = runs.borrow();
+        assert_eq!(runs.len(), 2, "{runs:?}");
+        assert!(runs[0].0.starts_with(&topic), "{runs:?}");
+        assert_eq!(runs[1].0, retry_topic, "{runs:?}");
+        assert!(runs.iter().all(|(_, len)| *len == 3500), "{runs:?}");
+        assert_eq!(*dead.borrow(), [3500]);
     });
 }
