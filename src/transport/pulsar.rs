@@ -429,7 +429,7 @@ impl PulsarConsumer {
         if !metadata.encryption_keys.is_empty() {
             return Err(TransportError::Encrypted {
                 topic: self.partitions[partition].topic.to_string(),
-                message_id: MessageId::from_broker(id, None).to_string(),
+                message_id: MessageId::from_broker(id, None).to_string().into(),
             });
         }
         let mut given_up = Vec::new();
