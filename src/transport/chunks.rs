@@ -52,6 +52,14 @@ struct Assembly {
     taken: Vec<MessageIdData>,
 }
 
+impl Assembly {
+    /// The chunks taken, as the consumer settles them.
+    fn into_chunk_ids(self) -> impl Iterator<Item = ChunkId> {
+        let partition = self.partition;
+        self.taken.into_iter().map(move |id| (partition, id))
+    }
+}
+
 /// What a received payload gives.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Assembled {
@@ -108,7 +116,7 @@ impl ChunkedMessages {
             assembly.next += 1;
         } else if chunk > assembly.next {
             let gapped = self.assembling.remove(at).expect("found above");
-            given_up.extend(gapped.taken.into_iter().map(|id| (partition, id)));
+            given_up.extend(gapped.into_chunk_ids());
             return Assembled::Held;
         }
         // (A chunk before `next` is a copy of one taken: held with it.)
@@ -117,8 +125,8 @@ impl ChunkedMessages {
         }
         let mut done = self.assembling.remove(at).expect("found above");
         done.taken.pop();
-        let others = done.taken.into_iter().map(|id| (partition, id)).collect();
-        Assembled::Complete(done.payload, others)
+        let payload = std::mem::take(&mut done.payload);
+        Assembled::Complete(payload, done.into_chunk_ids().collect())
     }
 
     /// Starts a message's assembly with its first chunk, giving up the
@@ -136,7 +144,7 @@ impl ChunkedMessages {
     ) {
         if self.assembling.len() >= ASSEMBLING_LIMIT {
             let oldest = self.assembling.pop_front().expect("at the limit");
-            given_up.extend(oldest.taken.into_iter().map(|id| (oldest.partition, id)));
+            given_up.extend(oldest.into_chunk_ids());
         }
         let total = metadata.total_chunk_msg_size.unwrap_or(0).max(0) as usize;
         let mut payload = Vec::with_capacity(total.clamp(data.len(), RESERVE_LIMIT));

@@ -385,8 +385,7 @@ pub fn python() -> PathBuf {
 /// Java client, chunking each into pieces of at most `chunk_bytes`
 /// (`tests/interop/ProduceChunked.java`; `PULSAR_DISPATCHER_JAVA` and
 /// `PULSAR_DISPATCHER_JAVA_CLASSPATH`, set by `cargo xtask test`, name
-/// Java and the broker's jars). Payloads are one line of text each. Runs
-/// on tokio's blocking pool.
+/// Java and the broker's jars). Payloads are one line of text each.
 pub async fn produce_chunked_with_java(
     chunk_bytes: usize,
     messages: Vec<(String, String, Option<String>)>,
@@ -402,35 +401,13 @@ pub async fn produce_chunked_with_java(
             None => format!("{topic}\t{payload}\n"),
         })
         .collect();
-    tokio::task::spawn_blocking(move || {
-        let mut child = Command::new(&java)
-            .arg("-cp")
-            .arg(&classpath)
-            .arg(&script)
-            .args(&args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("running {java} {}: {e}", script.display()));
-        child
-            .stdin
-            .take()
-            .expect("piped stdin")
-            .write_all(input.as_bytes())
-            .expect("writing the messages");
-        let out = child.wait_with_output().expect("waiting for java");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("RESULT"),
-            "{} failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
-            script.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    })
-    .await
-    .expect("java runner thread")
+    let mut java_command = Command::new(java);
+    java_command
+        .arg("-cp")
+        .arg(classpath)
+        .arg(script)
+        .args(args);
+    run_peer(java_command, input).await;
 }
 
 fn required_env(name: &str) -> String {
@@ -523,42 +500,48 @@ pub async fn produce_with_python(
 
 /// Runs a script of tests/interop with the test virtualenv's Python, passing
 /// `request` as JSON on stdin, and returns the JSON of its `RESULT` line.
-/// Runs on tokio's blocking pool so the runtime's tasks keep running.
 pub async fn run_interop(script: &str, request: serde_json::Value) -> serde_json::Value {
-    let script = interop_script(script);
-    let python = python();
+    let mut python_command = Command::new(python());
+    python_command.arg(interop_script(script));
+    run_peer(python_command, request.to_string()).await
+}
+
+/// Runs an interop peer (`command`), writing `input` to its stdin, and
+/// returns the JSON of its `RESULT` line; panics, with its output, if it
+/// fails. Runs on tokio's blocking pool so the runtime's tasks keep
+/// running.
+async fn run_peer(mut command: Command, input: String) -> serde_json::Value {
     tokio::task::spawn_blocking(move || {
-        let mut child = Command::new(&python)
-            .arg(&script)
+        let what = format!("{command:?}");
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("running {} {}: {e}", python.display(), script.display()));
-        {
-            let mut stdin = child.stdin.take().expect("piped stdin");
-            stdin
-                .write_all(request.to_string().as_bytes())
-                .expect("writing the request");
-        }
-        let out = child.wait_with_output().expect("waiting for python");
+            .unwrap_or_else(|e| panic!("running {what}: {e}"));
+        child
+            .stdin
+            .take()
+            .expect("piped stdin")
+            .write_all(input.as_bytes())
+            .expect("writing the peer's input");
+        let out = child.wait_with_output().expect("waiting for the peer");
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             out.status.success(),
-            "{} failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
-            script.display(),
+            "{what} failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
             out.status
         );
         let line = stdout
             .lines()
             .rev()
             .find_map(|l| l.strip_prefix("RESULT "))
-            .unwrap_or_else(|| panic!("no RESULT line from {}:\n{stdout}", script.display()));
+            .unwrap_or_else(|| panic!("no RESULT line from {what}:\n{stdout}"));
         serde_json::from_str(line).expect("RESULT is JSON")
     })
     .await
-    .expect("python runner thread")
+    .expect("interop peer thread")
 }
 
 /// Publishes `messages` to `topic` and waits for the broker's receipts. A
