@@ -218,6 +218,8 @@ pub(super) struct Partition {
     pending: Vec<(MessageIdData, bool)>,
     /// When its stream ended, while it is being subscribed again.
     resubscribing_since: Option<tokio::time::Instant>,
+    /// When its stream last ended (the crate gave up on its connection).
+    stream_ended_at: Option<tokio::time::Instant>,
     /// On a persistent Failover subscription with the check on.
     stall: Option<StallCheck>,
     subscriber: Rc<Subscriber>,
@@ -250,6 +252,7 @@ impl Partition {
             state: State::Open(Box::new(consumer)),
             pending: Vec::new(),
             resubscribing_since: None,
+            stream_ended_at: None,
             stall,
             subscriber,
         }
@@ -370,9 +373,17 @@ impl Partition {
         self.resubscribing_since
     }
 
+    /// When its stream last ended: acks sent shortly before may have been
+    /// lost with the connection.
+    pub(super) fn stream_ended_at(&self) -> Option<tokio::time::Instant> {
+        self.stream_ended_at
+    }
+
     fn resubscribe(&mut self, after: Duration) {
-        self.resubscribing_since
+        let since = *self
+            .resubscribing_since
             .get_or_insert_with(tokio::time::Instant::now);
+        self.stream_ended_at = Some(since);
         let (subscriber, topic) = (self.subscriber.clone(), self.topic.clone());
         self.state = State::Resubscribing(Box::pin(async move {
             tokio::time::sleep(after).await;

@@ -33,10 +33,10 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::task::{Context, Poll};
-use std::time::Instant;
 
 use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, SubType, TokioExecutor};
+use tokio::time::Instant;
 
 use super::chunks::{Assembled, ChunkId, ChunkedMessages};
 use super::nodelay::BrokerSockets;
@@ -360,7 +360,17 @@ impl PulsarConsumer {
         if !self.persistent {
             return false;
         }
-        let Some(resend) = self.recent_acks.redelivered(entry_of(id), Instant::now()) else {
+        let partitions = &self.partitions;
+        // A plain topic's entries name no partition: all are its one's.
+        let stream_ended = |(partition, ..): EntryKey| {
+            let index = usize::try_from(partition).unwrap_or(0);
+            partitions.get(index).and_then(Partition::stream_ended_at)
+        };
+        let Some(resend) = self
+            .recent_acks
+            .redelivered(entry_of(id), Instant::now(), stream_ended)
+        else {
+            tracing::debug!(message_id = %id, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");
             return false;
         };
         tracing::info!(message_id = %id, resending = resend.len(), "the broker delivered an acked message again (its ack was lost with a connection); acking again");
@@ -510,7 +520,7 @@ impl PulsarConsumer {
             _ => self.send_settlement(id, succeeded)?,
         };
         if succeeded {
-            self.recent_acks.record(entry_of(id));
+            self.recent_acks.record(entry_of(id), Instant::now());
         } else if let Some(rewinds) = &mut self.rewinds {
             rewinds.nacked(partition, id.to_broker());
         }

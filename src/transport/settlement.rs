@@ -7,8 +7,10 @@
 //! entries and drops acknowledgements sent while its connection is down.
 
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::time::{Duration, Instant};
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::hash::TrustedHashing;
 use crate::message::MessageId;
@@ -168,25 +170,45 @@ pub(super) fn entry_of(id: &MessageId) -> EntryKey {
     (id.partition(), id.ledger_id(), id.entry_id())
 }
 
-/// Entries acknowledged recently.
+/// Entries acknowledged recently, and when.
 ///
 /// The crate drops an ack sent while its connection is down without telling
-/// anyone; after it reconnects, the broker delivers the entry again. An
-/// entry delivered again that was acked moments ago is therefore an ack
-/// that was lost: it is acked again instead of being handled a second time.
-/// The first such redelivery also shows that the connection came back, so
-/// every remembered ack is sent again then, before the broker hands those
-/// entries to another consumer of the subscription. Bounded by a count (an
-/// age would cost a clock read per ack); what falls out can still come back
-/// as a duplicate.
+/// anyone, and a broker that crashes loses the acks of its last moments;
+/// after the consumer reconnects, the broker delivers those entries again.
+/// An entry delivered again whose ack was sent at most [`LOST_ACK_WINDOW`]
+/// before the connection was lost is therefore taken for a lost ack: it is
+/// acked again instead of being handled a second time. The first such
+/// redelivery also shows that the connection came back, so every
+/// remembered ack that may have been lost is sent again then, before the
+/// broker hands those entries to another consumer of the subscription.
+///
+/// The connection was lost when the partition's stream last ended, if that
+/// was after the ack; otherwise (the crate reconnects by itself after a
+/// topic unload, quickly, and tells nobody) it is taken to be now, the
+/// redelivery. An entry acked longer ago than that came back for another
+/// reason: someone reset the subscription's cursor, or the consumer sought
+/// back, to replay it. It is handled again and forgotten, so that its new
+/// settlement counts. Bounded by a count as well; what falls out can still
+/// come back as a duplicate.
 pub(super) struct RecentAcks {
-    in_order: VecDeque<EntryKey>,
-    entries: HashSet<EntryKey, TrustedHashing>,
+    /// Entries in the order they were recorded, with the time recorded; an
+    /// entry recorded again, or forgotten, leaves a stale element, told
+    /// apart by its time.
+    in_order: VecDeque<(EntryKey, Instant)>,
+    /// The entries remembered, with the time each was last acked.
+    entries: HashMap<EntryKey, Instant, TrustedHashing>,
     capacity: usize,
     last_bulk_resend: Option<Instant>,
     /// Redeliveries of acked entries recognised so far.
     pub(super) recognised: u64,
 }
+
+/// How long before its connection was lost an ack can have been lost with
+/// it: sent into a connection that was failing, or not yet stored by a
+/// broker that crashed (brokers store a cursor's position about once a
+/// second). Also how long after an ack a reset of the cursor does not
+/// replay its entry (the delivery looks like a quick reconnection's).
+pub(super) const LOST_ACK_WINDOW: Duration = Duration::from_secs(10);
 
 /// After a bulk re-send, another waits this long.
 const BULK_RESEND_INTERVAL: Duration = Duration::from_secs(5);
@@ -195,7 +217,7 @@ impl RecentAcks {
     pub(super) fn new(capacity: usize) -> Self {
         RecentAcks {
             in_order: VecDeque::new(),
-            entries: HashSet::default(),
+            entries: HashMap::default(),
             capacity,
             last_bulk_resend: None,
             recognised: 0,
@@ -208,28 +230,47 @@ impl RecentAcks {
         self.capacity = self.capacity.max(capacity);
     }
 
-    /// Remembers that `entry` was acked.
-    pub(super) fn record(&mut self, entry: EntryKey) {
+    /// Remembers that `entry` was acked at `now`.
+    pub(super) fn record(&mut self, entry: EntryKey, now: Instant) {
         if self.in_order.len() >= self.capacity {
-            if let Some(oldest) = self.in_order.pop_front() {
-                self.entries.remove(&oldest);
+            if let Some((oldest, recorded)) = self.in_order.pop_front() {
+                if self.entries.get(&oldest) == Some(&recorded) {
+                    self.entries.remove(&oldest);
+                }
             }
         }
-        if self.entries.insert(entry) {
-            self.in_order.push_back(entry);
+        if self.capacity > 0 {
+            self.entries.insert(entry, now);
+            self.in_order.push_back((entry, now));
         }
     }
 
     /// Whether `entry` was acked recently.
     pub(super) fn contains(&self, entry: EntryKey) -> bool {
-        self.entries.contains(&entry)
+        self.entries.contains_key(&entry)
     }
 
-    /// Whether `entry` was acked recently; if so, counts a redelivery and
-    /// returns the entries whose acks to send again: all remembered ones
-    /// the first time after a while, otherwise just this one.
-    pub(super) fn redelivered(&mut self, entry: EntryKey, now: Instant) -> Option<Vec<EntryKey>> {
-        if !self.entries.contains(&entry) {
+    /// Whether `entry`, delivered again at `now`, is an ack lost with a
+    /// connection; if so, counts it and returns the entries whose acks to
+    /// send again: every one that may have been lost the first time after
+    /// a while, otherwise just this one. `stream_ended` tells when the
+    /// stream of an entry's partition last ended. An entry acked before
+    /// that is forgotten: a replay.
+    pub(super) fn redelivered(
+        &mut self,
+        entry: EntryKey,
+        now: Instant,
+        stream_ended: impl Fn(EntryKey) -> Option<Instant>,
+    ) -> Option<Vec<EntryKey>> {
+        let acked_at = *self.entries.get(&entry)?;
+        let lost = |entry: EntryKey, acked_at: Instant| {
+            let lost_at = stream_ended(entry)
+                .filter(|&ended| ended >= acked_at)
+                .unwrap_or(now);
+            lost_at.saturating_duration_since(acked_at) <= LOST_ACK_WINDOW
+        };
+        if !lost(entry, acked_at) {
+            self.entries.remove(&entry);
             return None;
         }
         self.recognised += 1;
@@ -240,7 +281,16 @@ impl RecentAcks {
             return Some(vec![entry]);
         }
         self.last_bulk_resend = Some(now);
-        Some(self.in_order.iter().copied().collect())
+        let current = |&(entry, recorded): &(EntryKey, Instant)| {
+            self.entries.get(&entry) == Some(&recorded) && lost(entry, recorded)
+        };
+        Some(
+            self.in_order
+                .iter()
+                .filter(|element| current(element))
+                .map(|&(entry, _)| entry)
+                .collect(),
+        )
     }
 }
 
@@ -388,7 +438,7 @@ mod tests {
         let mut acked = RecentAcks::new(16);
         assert_eq!(batches.settle(&member(7, 0, 2), true, &acked), None);
         assert_eq!(batches.settle(&member(7, 1, 2), true, &acked), Some(true));
-        acked.record((-1, 1, 7));
+        acked.record((-1, 1, 7), Instant::now());
         // The second copy of member 0 settles last: nothing to tell, and
         // nothing held for an entry that is gone.
         assert_eq!(batches.settle(&member(7, 0, 2), true, &acked), None);
@@ -399,27 +449,29 @@ mod tests {
         assert!(batches.by_entry.contains_key(&(-1, 1, 8)));
     }
 
+    /// No stream ended: the connection is taken to be lost at the
+    /// redelivery.
+    fn no_stream_end(_: EntryKey) -> Option<Instant> {
+        None
+    }
+
     #[test]
     fn a_redelivered_acked_entry_is_recognised_and_the_first_one_resends_all() {
         let now = Instant::now();
         let mut acks = RecentAcks::new(3);
         for entry in 1..=4 {
-            acks.record((0, 9, entry));
+            acks.record((0, 9, entry), now);
         }
+        let mut redelivered = |entry, at| acks.redelivered(entry, at, no_stream_end);
+        assert_eq!(redelivered((0, 9, 1), now), None, "evicted at capacity");
+        assert_eq!(redelivered((1, 9, 4), now), None, "another partition");
         assert_eq!(
-            acks.redelivered((0, 9, 1), now),
-            None,
-            "evicted at capacity"
-        );
-        assert_eq!(acks.redelivered((1, 9, 4), now), None, "another partition");
-        assert_eq!(
-            acks.redelivered((0, 9, 3), now),
+            redelivered((0, 9, 3), now),
             Some(vec![(0, 9, 2), (0, 9, 3), (0, 9, 4)])
         );
-        assert_eq!(acks.redelivered((0, 9, 4), now), Some(vec![(0, 9, 4)]));
+        assert_eq!(redelivered((0, 9, 4), now), Some(vec![(0, 9, 4)]));
         assert_eq!(
-            acks.redelivered((0, 9, 2), now + BULK_RESEND_INTERVAL)
-                .map(|all| all.len()),
+            redelivered((0, 9, 2), now + BULK_RESEND_INTERVAL).map(|all| all.len()),
             Some(3),
             "a later reconnection resends all again"
         );
@@ -430,19 +482,94 @@ mod tests {
     fn a_grown_capacity_remembers_more_acks() {
         let now = Instant::now();
         let mut acks = RecentAcks::new(2);
-        acks.record((0, 9, 1));
-        acks.record((0, 9, 2));
+        acks.record((0, 9, 1), now);
+        acks.record((0, 9, 2), now);
         acks.grow_to(4);
         acks.grow_to(3);
         for entry in 3..=4 {
-            acks.record((1, 9, entry));
+            acks.record((1, 9, entry), now);
         }
         assert_eq!(
-            acks.redelivered((0, 9, 1), now).map(|all| all.len()),
+            acks.redelivered((0, 9, 1), now, no_stream_end)
+                .map(|all| all.len()),
             Some(4),
             "nothing evicted below the new capacity"
         );
-        acks.record((1, 9, 5));
-        assert_eq!(acks.redelivered((0, 9, 1), now), None, "the oldest goes");
+        acks.record((1, 9, 5), now);
+        assert_eq!(
+            acks.redelivered((0, 9, 1), now, no_stream_end),
+            None,
+            "the oldest goes"
+        );
+    }
+
+    #[test]
+    fn an_entry_acked_longer_ago_than_the_window_is_a_replay_and_is_forgotten() {
+        let begun = Instant::now();
+        let mut acks = RecentAcks::new(16);
+        acks.record((0, 9, 1), begun);
+        acks.record((0, 9, 2), begun + Duration::from_secs(5));
+        let reset = begun + LOST_ACK_WINDOW + Duration::from_secs(1);
+        assert_eq!(
+            acks.redelivered((0, 9, 1), reset, no_stream_end),
+            None,
+            "acked 11 s before it came back"
+        );
+        assert!(!acks.contains((0, 9, 1)), "forgotten: its new ack counts");
+        assert_eq!(
+            acks.redelivered((0, 9, 2), reset, no_stream_end),
+            Some(vec![(0, 9, 2)]),
+            "acked 6 s before: perhaps lost, and the only one resent"
+        );
+        assert_eq!(acks.recognised, 1);
+        // Handled again and acked again, it is remembered anew.
+        acks.record((0, 9, 1), reset);
+        assert_eq!(
+            acks.redelivered((0, 9, 1), reset, no_stream_end),
+            Some(vec![(0, 9, 1)])
+        );
+    }
+
+    #[test]
+    fn an_ack_shortly_before_the_stream_ended_is_lost_however_long_the_outage() {
+        let begun = Instant::now();
+        let mut acks = RecentAcks::new(16);
+        acks.record((0, 9, 1), begun);
+        acks.record((1, 9, 1), begun);
+        let ended = begun + Duration::from_secs(2);
+        let back = ended + Duration::from_secs(120);
+        let partition_0_ended = |(partition, ..): EntryKey| (partition == 0).then_some(ended);
+        assert_eq!(
+            acks.redelivered((0, 9, 1), back, partition_0_ended),
+            Some(vec![(0, 9, 1)]),
+            "its stream ended 2 s after the ack; the bulk resend leaves out \
+             the other partition's, which is older than the window"
+        );
+        assert_eq!(
+            acks.redelivered((1, 9, 1), back, partition_0_ended),
+            None,
+            "the other partition's stream never ended"
+        );
+        // A stream end before the ack says nothing about it.
+        acks.record((0, 9, 2), back);
+        assert_eq!(
+            acks.redelivered((0, 9, 2), back + LOST_ACK_WINDOW * 2, partition_0_ended),
+            None
+        );
+    }
+
+    #[test]
+    fn an_entry_recorded_again_stays_remembered_after_its_first_record_leaves() {
+        let now = Instant::now();
+        let mut acks = RecentAcks::new(2);
+        acks.record((0, 9, 1), now);
+        acks.record((0, 9, 1), now + Duration::from_secs(1));
+        acks.record((0, 9, 2), now + Duration::from_secs(1));
+        assert!(acks.contains((0, 9, 1)), "its stale first record went");
+        assert_eq!(
+            acks.redelivered((0, 9, 2), now + Duration::from_secs(1), no_stream_end),
+            Some(vec![(0, 9, 1), (0, 9, 2)]),
+            "each entry resent once"
+        );
     }
 }

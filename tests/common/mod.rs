@@ -198,6 +198,21 @@ pub fn unload(topic: &str, kind: TopicKind) {
     }
 }
 
+/// Resets `subscription`'s cursor on `topic` (every partition of a
+/// partitioned one) to the first message published at or after
+/// `timestamp_millis`, through the admin API, as an operator does to replay:
+/// the broker delivers everything from there again, acked or not. Blocks;
+/// call it from `spawn_blocking` inside a runtime.
+pub fn reset_cursor(topic: &str, subscription: &str, timestamp_millis: u64) {
+    let path = format!(
+        "/admin/v2/persistent/{}/subscription/{subscription}/resetcursor/{timestamp_millis}",
+        topic_path(topic)
+    );
+    let (status, body) = admin_request("POST", &path, None)
+        .unwrap_or_else(|e| panic!("POST {}{path}: {e}", web_url()));
+    assert_eq!(status, 204, "resetting {subscription} on {topic}: {body}");
+}
+
 /// Creates `topic` with `partitions` partitions through the admin API.
 pub fn create_partitioned_topic(topic: &str, partitions: u32) {
     set_partitions("PUT", topic, partitions);
