@@ -3,7 +3,7 @@
 Interop peer for tests/smoke_pulsar.rs. Reads a JSON request on stdin:
 
     {"service_url": "...", "topic": "...", "batching": false,
-     "compression": "LZ4",
+     "compression": "LZ4", "schema": "json",
      "encryption": {"public_key": "pub.pem", "private_key": "priv.pem"},
      "messages": [{"payload": "text", "properties": {"k": "v"},
                    "partition_key": "pk", "ordering_key": "ok",
@@ -11,7 +11,10 @@ Interop peer for tests/smoke_pulsar.rs. Reads a JSON request on stdin:
 
 Optional fields may be null or missing; `compression` names a member of
 `pulsar.CompressionType` (NONE, LZ4, ZLib, ZSTD, SNAPPY); `encryption` names
-the PEM files of an RSA key pair, and the messages are encrypted with it. Prints `RESULT {"sent": N}` when every
+the PEM files of an RSA key pair, and the messages are encrypted with it;
+`schema` is "string" (each payload sent with `StringSchema`) or "json" (each
+payload sent as the `text` field of a record with `JsonSchema`), and the
+producer registers that schema on the topic. Prints `RESULT {"sent": N}` when every
 message has been acknowledged by the broker.
 """
 
@@ -19,6 +22,24 @@ import json
 import sys
 
 import pulsar
+from pulsar.schema import JsonSchema, Record, String, StringSchema
+
+
+class Text(Record):
+    """The record of a "json" schema request: the payload as its one field."""
+
+    text = String()
+
+
+def _schema(name):
+    """The schema a request names, and how a payload is turned into a value of it."""
+    if name == "string":
+        return {"schema": StringSchema()}, lambda payload: payload
+    if name == "json":
+        return {"schema": JsonSchema(Text)}, lambda payload: Text(text=payload)
+    if name:
+        raise ValueError(f"unknown schema {name!r}")
+    return {}, lambda payload: payload.encode("utf-8")
 
 
 def main():
@@ -41,8 +62,10 @@ def main():
                 "encryption_key": "test-key",
                 "crypto_key_reader": pulsar.CryptoKeyReader(keys["public_key"], keys["private_key"]),
             }
+        schema, value_of = _schema(request.get("schema"))
         producer = client.create_producer(
             request["topic"],
+            **schema,
             **encryption,
             compression_type=compression,
             batching_enabled=batching,
@@ -58,7 +81,7 @@ def main():
             for key in ("partition_key", "ordering_key", "event_timestamp"):
                 if spec.get(key) is not None:
                     kwargs[key] = spec[key]
-            payload = spec["payload"].encode("utf-8")
+            payload = value_of(spec["payload"])
             if batching:
                 pending.append(None)
                 producer.send_async(payload, callback=_collect(pending, len(pending) - 1), **kwargs)
