@@ -11,6 +11,7 @@ on_plain_and_partitioned_topics!(
     a_burst_of_replies_larger_than_the_clients_send_queue_is_all_published,
     a_topic_family_subscribes_the_documented_topics_and_priorities,
     a_retried_message_carries_the_java_retry_letter_properties_for_python,
+    retries_and_dead_letters_stay_in_a_topics_own_tenant_and_namespace,
 );
 
 use std::cell::RefCell;
@@ -19,7 +20,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use common::{
-    base_topic, client, close_and_join, create_partitioned_topic, fresh_topic,
+    base_topic, client, close_and_join, create_partitioned_topic, ensure_namespace, fresh_topic,
     is_topic_or_partition, pulsar_url, run_interop, run_local, start, topic_stats, unique_name,
     wait_for_empty_backlog, wait_until, TopicKind,
 };
@@ -447,5 +448,86 @@ fn a_retried_message_carries_the_java_retry_letter_properties_for_python(kind: T
             Some(partition_index(props["REAL_TOPIC"].as_str().unwrap()).as_str()),
             "ORIGIN_MESSAGE_ID {origin} names the partition the message came from"
         );
+    });
+}
+
+/// A topic outside `public/default`, named by its three-part short name
+/// (`tenant/namespace/topic`, as most services name theirs): its retry topic
+/// named the same way, the default dead letter topic, and every republish
+/// stay in the topic's own tenant and namespace.
+fn retries_and_dead_letters_stay_in_a_topics_own_tenant_and_namespace(kind: TopicKind) {
+    const NAMESPACE: &str = "acme/orders";
+    ensure_namespace(NAMESPACE);
+    let name = unique_name("payments");
+    let topic = format!("{NAMESPACE}/{name}");
+    let full_topic = format!("persistent://{topic}");
+    if let TopicKind::Partitioned(partitions) = kind {
+        create_partitioned_topic(&full_topic, partitions);
+    }
+    run_local(Duration::from_secs(90), async {
+        let retry_topic = format!("{topic}-retry");
+        let subscription = unique_name("payments-sub");
+        let dead_letter_topic = format!("{full_topic}-{subscription}-DLQ");
+        let mut dead_letters = reader(&dead_letter_topic).await;
+        let dispatcher = common::dispatcher().await;
+        let handled: Rc<RefCell<Vec<(String, String)>>> = Rc::default();
+        let options = shared(&subscription)
+            .retry_errors(ErrorClass::of::<ServiceUnavailable>())
+            .retry_topic(&retry_topic)
+            .retry_backoff(|_| Duration::from_millis(200))
+            .max_retries(1);
+        for (topic, priority) in [(&topic, 10), (&retry_topic, 20)] {
+            let handled = handled.clone();
+            let handler = async move |message: &Message| {
+                handled.borrow_mut().push((
+                    base_topic(message.topic()).to_owned(),
+                    String::from_utf8_lossy(message.payload()).into_owned(),
+                ));
+                fail_as_told(message).await
+            };
+            dispatcher
+                .subscribe(topic, handler, options.clone().priority(priority))
+                .await
+                .unwrap();
+        }
+        let run = start(&dispatcher);
+        for payload in ["fine", "invalid", "unavailable"] {
+            publish_order(&full_topic, payload).await;
+        }
+        let mut dead: Vec<(String, BTreeMap<String, String>)> = Vec::new();
+        for _ in 0..2 {
+            let message = next_message(&mut dead_letters, "a dead letter").await;
+            let payload = String::from_utf8(message.payload.data.clone()).unwrap();
+            dead.push((payload, properties(&message)));
+        }
+        dead.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(dead[0].0, "invalid", "dead-lettered at once");
+        assert_eq!(dead[1].0, "unavailable", "dead-lettered after its retry");
+        for (_, props) in &dead {
+            assert_origin(props, &full_topic, kind);
+        }
+        assert_eq!(dead[1].1["RECONSUMETIMES"], "1");
+        assert_eq!(dead[1].1["DEAD_LETTER_TOPIC"], dead_letter_topic);
+        let full_retry_topic = format!("persistent://{retry_topic}");
+        wait_until("the handler calls", Duration::from_secs(10), || {
+            handled.borrow().len() == 4
+        })
+        .await;
+        let mut calls = handled.borrow().clone();
+        calls.sort();
+        let expected = |topic: &str, payload: &str| (topic.to_owned(), payload.to_owned());
+        assert_eq!(
+            calls,
+            [
+                expected(&full_topic, "fine"),
+                expected(&full_topic, "invalid"),
+                expected(&full_topic, "unavailable"),
+                expected(&full_retry_topic, "unavailable"),
+            ]
+        );
+        for subscribed in [&full_topic, &full_retry_topic] {
+            wait_for_empty_backlog(subscribed, &subscription).await;
+        }
+        close_and_join(&dispatcher, run).await;
     });
 }

@@ -213,6 +213,28 @@ pub fn reset_cursor(topic: &str, subscription: &str, timestamp_millis: u64) {
     assert_eq!(status, 204, "resetting {subscription} on {topic}: {body}");
 }
 
+/// Creates the tenant and namespace of `namespace` (`tenant/namespace`) on
+/// the standalone cluster through the admin API, unless they exist.
+pub fn ensure_namespace(namespace: &str) {
+    let (tenant, _) = namespace.split_once('/').expect("tenant/namespace");
+    let creations = [
+        (
+            format!("/admin/v2/tenants/{tenant}"),
+            Some(r#"{"allowedClusters":["standalone"]}"#),
+        ),
+        (format!("/admin/v2/namespaces/{namespace}"), None),
+    ];
+    for (path, body) in creations {
+        let (status, answer) = admin_request("PUT", &path, body)
+            .unwrap_or_else(|e| panic!("PUT {}{path}: {e}", web_url()));
+        // 409: it exists already (another test, or an earlier run).
+        assert!(
+            status == 204 || status == 409,
+            "PUT {path}: HTTP {status}: {answer}"
+        );
+    }
+}
+
 /// Creates `topic` with `partitions` partitions through the admin API.
 pub fn create_partitioned_topic(topic: &str, partitions: u32) {
     set_partitions("PUT", topic, partitions);
