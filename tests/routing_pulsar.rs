@@ -49,6 +49,27 @@ async fn fail_as_told(message: &Message) -> Result<(), Box<dyn std::error::Error
     }
 }
 
+/// Subscribes each of `topics` at its priority with `options`, with a
+/// handler that hands each message to `record` and then fails as told.
+async fn subscribe_failing_as_told(
+    dispatcher: &Dispatcher,
+    topics: &[(&str, i64)],
+    options: &SubscribeOptions,
+    record: impl Fn(&Message) + Clone + 'static,
+) {
+    for &(topic, priority) in topics {
+        let record = record.clone();
+        let handler = async move |message: &Message| {
+            record(message);
+            fail_as_told(message).await
+        };
+        dispatcher
+            .subscribe(topic, handler, options.clone().priority(priority))
+            .await
+            .unwrap();
+    }
+}
+
 fn shared(subscription: &str) -> SubscribeOptions {
     SubscribeOptions::new()
         .subscription(subscription)
@@ -192,21 +213,18 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic(k
             .retry_topic(&retry_topic)
             .retry_backoff(|retry| Duration::from_secs(u64::from(retry)))
             .max_retries(2);
-        for (topic, priority) in [(&topic, 10), (&retry_topic, 20)] {
+        let record = {
             let attempts = attempts.clone();
-            let handler = async move |message: &Message| {
+            move |message: &Message| {
                 attempts.borrow_mut().push((
                     Instant::now(),
                     base_topic(message.topic()).to_owned(),
                     message.property("RECONSUMETIMES").map(str::to_owned),
-                ));
-                fail_as_told(message).await
-            };
-            dispatcher
-                .subscribe(topic, handler, options.clone().priority(priority))
-                .await
-                .unwrap();
-        }
+                ))
+            }
+        };
+        let topics = [(topic.as_str(), 10), (retry_topic.as_str(), 20)];
+        subscribe_failing_as_told(&dispatcher, &topics, &options, record).await;
         let run = start(&dispatcher);
         publish_order(&topic, "unavailable").await;
 
@@ -476,20 +494,17 @@ fn retries_and_dead_letters_stay_in_a_topics_own_tenant_and_namespace(kind: Topi
             .retry_topic(&retry_topic)
             .retry_backoff(|_| Duration::from_millis(200))
             .max_retries(1);
-        for (topic, priority) in [(&topic, 10), (&retry_topic, 20)] {
+        let record = {
             let handled = handled.clone();
-            let handler = async move |message: &Message| {
+            move |message: &Message| {
                 handled.borrow_mut().push((
                     base_topic(message.topic()).to_owned(),
                     String::from_utf8_lossy(message.payload()).into_owned(),
-                ));
-                fail_as_told(message).await
-            };
-            dispatcher
-                .subscribe(topic, handler, options.clone().priority(priority))
-                .await
-                .unwrap();
-        }
+                ))
+            }
+        };
+        let topics = [(topic.as_str(), 10), (retry_topic.as_str(), 20)];
+        subscribe_failing_as_told(&dispatcher, &topics, &options, record).await;
         let run = start(&dispatcher);
         for payload in ["fine", "invalid", "unavailable"] {
             publish_order(&full_topic, payload).await;
