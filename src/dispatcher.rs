@@ -26,7 +26,7 @@ use crate::options::SubscribeOptions;
 use crate::outcome::{HandlerError, IntoReply, SubscriptionInfo};
 use crate::routing::{DeadLetterTargets, RetryTopicCheck};
 use crate::scheduler::SchedulingPolicy;
-use crate::transport::{PulsarTransport, Transport};
+use crate::transport::{PulsarTransport, Transport, DEFAULT_MAX_MESSAGE_SIZE};
 
 /// The concurrency limit unless told otherwise.
 pub const DEFAULT_CONCURRENCY: usize = 20;
@@ -56,12 +56,14 @@ pub const CONNECT_OPERATION_RETRIES: u32 = 12;
 pub struct DispatcherBuilder {
     concurrency: usize,
     settings: EngineSettings,
+    max_message_size: usize,
 }
 
 impl Default for DispatcherBuilder {
     fn default() -> Self {
         DispatcherBuilder {
             concurrency: DEFAULT_CONCURRENCY,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             settings: EngineSettings {
                 metrics_interval: Some(DEFAULT_METRICS_INTERVAL),
                 ..EngineSettings::default()
@@ -153,6 +155,19 @@ impl DispatcherBuilder {
         self
     }
 
+    /// The largest payload a reply, retry or dead letter may have on the
+    /// Pulsar transport of [`connect`](Self::connect) and
+    /// [`connect_with`](Self::connect_with): the broker's `maxMessageSize`,
+    /// [`DEFAULT_MAX_MESSAGE_SIZE`] (5 MiB) unless its operators changed it.
+    /// A larger one is not sent (a broker drops the connection such a frame
+    /// arrives on, with every consumer and producer sharing it): the publish
+    /// fails with [`TransportError::MessageTooLarge`](crate::TransportError::MessageTooLarge)
+    /// and the original is nacked. `connect` refuses zero.
+    pub fn max_message_size(mut self, bytes: usize) -> Self {
+        self.max_message_size = bytes;
+        self
+    }
+
     /// Connects to Pulsar at `url` with the `pulsar` crate's default client
     /// settings, except that operations the broker answers with a
     /// retryable error ("service not ready", "consumer busy", ...) are
@@ -193,9 +208,16 @@ impl DispatcherBuilder {
         client: PulsarBuilder<TokioExecutor>,
     ) -> Result<Dispatcher<PulsarTransport>, Error> {
         let concurrency = self.checked()?;
+        if self.max_message_size == 0 {
+            return Err(Error::InvalidOption {
+                option: "max_message_size",
+                reason: "must be more than zero bytes".into(),
+            });
+        }
         let transport = PulsarTransport::from_builder(client)
             .await
-            .map_err(Error::Connect)?;
+            .map_err(Error::Connect)?
+            .with_max_message_size(self.max_message_size);
         Ok(self.dispatcher(transport, concurrency))
     }
 

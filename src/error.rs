@@ -69,6 +69,19 @@ pub enum TransportError {
         /// The topic (or partition) of the consumer.
         topic: String,
     },
+    /// A reply, retry or dead letter larger than the broker takes was not
+    /// sent. (A broker drops the connection a frame that large arrives on,
+    /// with every consumer and producer on it, and the `pulsar` crate sends
+    /// it again on each reconnection until its operation timeout.)
+    #[error("a message of {size} bytes for {topic} is larger than the broker's maximum message size ({limit} bytes); not sent")]
+    MessageTooLarge {
+        /// The topic it was for.
+        topic: String,
+        /// Its payload's size in bytes.
+        size: usize,
+        /// The maximum message size the transport was given.
+        limit: usize,
+    },
     /// The transport, or the consumer, has been closed.
     #[error("the transport is closed")]
     Closed,

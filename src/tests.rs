@@ -775,6 +775,17 @@ fn misuse_is_refused_with_a_typed_error() {
                 .build(transport.clone()),
             Err(Error::ZeroConcurrency)
         ));
+        // Refused before connecting: nothing listens on port 1.
+        assert!(matches!(
+            Dispatcher::builder()
+                .max_message_size(0)
+                .connect("pulsar://127.0.0.1:1")
+                .await,
+            Err(Error::InvalidOption {
+                option: "max_message_size",
+                ..
+            })
+        ));
         let (dispatcher, transport) = dispatcher(1);
         let refused = dispatcher
             .subscribe(

@@ -12,6 +12,7 @@ on_plain_and_partitioned_topics!(
     a_topic_family_subscribes_the_documented_topics_and_priorities,
     a_retried_message_carries_the_java_retry_letter_properties_for_python,
     retries_and_dead_letters_stay_in_a_topics_own_tenant_and_namespace,
+    a_reply_larger_than_the_broker_takes_is_not_sent_and_its_original_comes_back,
 );
 
 use std::cell::RefCell;
@@ -543,6 +544,84 @@ fn retries_and_dead_letters_stay_in_a_topics_own_tenant_and_namespace(kind: Topi
         for subscribed in [&full_topic, &full_retry_topic] {
             wait_for_empty_backlog(subscribed, &subscription).await;
         }
+        close_and_join(&dispatcher, run).await;
+    });
+}
+
+/// When each consumer of `subscription` on `topic` (each partition's, on a
+/// partitioned topic) connected, as the broker reports it.
+fn connected_since(topic: &str, subscription: &str, kind: TopicKind) -> Vec<String> {
+    let names: Vec<String> = match kind {
+        TopicKind::Plain => vec![topic.to_owned()],
+        TopicKind::Partitioned(partitions) => (0..partitions)
+            .map(|index| format!("{topic}-partition-{index}"))
+            .collect(),
+    };
+    names
+        .iter()
+        .flat_map(|name| {
+            let stats = common::subscription_stats(name, subscription);
+            let consumers = stats.raw["consumers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            consumers
+                .into_iter()
+                .map(|consumer| consumer["connectedSince"].to_string())
+        })
+        .collect()
+}
+
+/// A broker drops the connection a frame larger than its maximum message
+/// size arrives on, with every consumer and producer on it, and the
+/// `pulsar` crate sends the frame again on each reconnection until its
+/// operation timeout (30 s). A reply that large is not sent: the publish
+/// fails at once, the original is nacked and handled again, and no
+/// consumer loses its connection.
+fn a_reply_larger_than_the_broker_takes_is_not_sent_and_its_original_comes_back(kind: TopicKind) {
+    run_local(Duration::from_secs(90), async {
+        let topic = fresh_topic("large-replies", kind);
+        let reply_topic = fresh_topic("large-replies-out", kind);
+        let subscription = unique_name("large");
+        let mut replies = reader(&reply_topic).await;
+        let dispatcher = common::dispatcher().await;
+        let calls = Rc::new(std::cell::Cell::new(0));
+        let handler = {
+            let calls = calls.clone();
+            async move |_: &Message| {
+                calls.set(calls.get() + 1);
+                let size = if calls.get() == 1 {
+                    pulsar_dispatcher::transport::DEFAULT_MAX_MESSAGE_SIZE + 1
+                } else {
+                    5
+                };
+                Ok::<_, std::convert::Infallible>(vec![b'r'; size])
+            }
+        };
+        let options = shared(&subscription)
+            .reply_topic(&reply_topic)
+            .negative_ack_redelivery_delay(Duration::from_millis(200));
+        dispatcher
+            .subscribe(&topic, handler, options)
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        let connected = {
+            let (topic, subscription) = (topic.clone(), subscription.clone());
+            move || connected_since(&topic, &subscription, kind)
+        };
+        let before = tokio::task::spawn_blocking(connected.clone())
+            .await
+            .unwrap();
+        publish_order(&topic, "make it large").await;
+        let reply = next_message(&mut replies, "the second, small reply").await;
+        assert_eq!(reply.payload.data, b"rrrrr", "the large reply was sent");
+        wait_for_empty_backlog(&topic, &subscription).await;
+        let stats = dispatcher.stats().total();
+        assert_eq!((stats.publishes_failed, stats.nacked), (1, 1), "{stats:?}");
+        assert_eq!(calls.get(), 2);
+        let after = tokio::task::spawn_blocking(connected).await.unwrap();
+        assert_eq!(before, after, "a consumer reconnected");
         close_and_join(&dispatcher, run).await;
     });
 }

@@ -30,7 +30,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 pub use self::memory::{Event, MemoryConsumer, MemoryProducer, MemoryTransport};
-pub use self::pulsar::{PulsarConsumer, PulsarProducer, PulsarTransport};
+pub use self::pulsar::{PulsarConsumer, PulsarProducer, PulsarTransport, DEFAULT_MAX_MESSAGE_SIZE};
 pub use crate::error::TransportError;
 
 use ::pulsar::consumer::DeadLetterPolicy;

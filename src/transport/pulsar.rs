@@ -57,12 +57,20 @@ pub struct PulsarTransport {
     /// producers holding them are gone.
     client: RefCell<Option<Pulsar<TokioExecutor>>>,
     brokers: Rc<BrokerSockets>,
+    max_message_size: usize,
 }
+
+/// The largest payload the transport's producers send unless told
+/// otherwise: the broker's default `maxMessageSize`, 5 MiB. (The broker
+/// tells its clients its own setting when they connect, but the `pulsar`
+/// crate does not pass it on.)
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 5 * 1024 * 1024;
 
 impl std::fmt::Debug for PulsarTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PulsarTransport")
             .field("open", &self.client.borrow().is_some())
+            .field("max_message_size", &self.max_message_size)
             .finish()
     }
 }
@@ -81,7 +89,19 @@ impl PulsarTransport {
         PulsarTransport {
             client: RefCell::new(Some(client)),
             brokers: Rc::default(),
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
         }
+    }
+
+    /// The largest payload its producers send (replies, retries, dead
+    /// letters): set it to the broker's `maxMessageSize` where that is not
+    /// the default [`DEFAULT_MAX_MESSAGE_SIZE`]. A larger payload fails with
+    /// [`TransportError::MessageTooLarge`] without being sent, and its
+    /// original is nacked, as after any failed publish.
+    #[must_use]
+    pub fn with_max_message_size(mut self, bytes: usize) -> Self {
+        self.max_message_size = bytes;
+        self
     }
 
     /// The underlying client, until the transport is closed.
@@ -171,6 +191,8 @@ impl Transport for PulsarTransport {
         }
         Ok(PulsarProducer {
             producer: tokio::sync::Mutex::new(producer),
+            topic: topic.into(),
+            max_message_size: self.max_message_size,
         })
     }
 
@@ -606,16 +628,28 @@ impl Consumer for PulsarConsumer {
 /// A producer of the Pulsar transport.
 pub struct PulsarProducer {
     producer: tokio::sync::Mutex<pulsar::Producer<TokioExecutor>>,
+    topic: Box<str>,
+    max_message_size: usize,
 }
 
 impl std::fmt::Debug for PulsarProducer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PulsarProducer").finish_non_exhaustive()
+        f.debug_struct("PulsarProducer")
+            .field("topic", &self.topic)
+            .finish_non_exhaustive()
     }
 }
 
 impl Producer for PulsarProducer {
     async fn send(&self, message: OutgoingMessage) -> Result<(), TransportError> {
+        let size = message.payload.len();
+        if size > self.max_message_size {
+            return Err(TransportError::MessageTooLarge {
+                topic: self.topic.to_string(),
+                size,
+                limit: self.max_message_size,
+            });
+        }
         let outgoing = PulsarOutgoing {
             payload: message.payload,
             properties: message.properties.into_iter().collect(),
