@@ -155,12 +155,15 @@ impl DispatcherBuilder {
         self
     }
 
-    /// The largest payload a reply, retry or dead letter may have on the
+    /// The largest message a reply, retry or dead letter may be on the
     /// Pulsar transport of [`connect`](Self::connect) and
     /// [`connect_with`](Self::connect_with): the broker's `maxMessageSize`,
     /// [`DEFAULT_MAX_MESSAGE_SIZE`] (5 MiB) unless its operators changed it.
-    /// A larger one is not sent (a broker drops the connection such a frame
-    /// arrives on, with every consumer and producer sharing it): the publish
+    /// A message counts its payload, properties and keys, and 1 KiB for the
+    /// headers around them. A larger one is not sent (a broker drops the
+    /// connection such a frame arrives on, with every consumer and producer
+    /// sharing it; a bookie whose frame limit is that size refuses an entry
+    /// a little smaller, and the broker retries the write for ever): the publish
     /// fails with [`TransportError::MessageTooLarge`](crate::TransportError::MessageTooLarge)
     /// and the original is nacked. `connect` refuses zero.
     pub fn max_message_size(mut self, bytes: usize) -> Self {

@@ -72,12 +72,15 @@ pub enum TransportError {
     /// A reply, retry or dead letter larger than the broker takes was not
     /// sent. (A broker drops the connection a frame that large arrives on,
     /// with every consumer and producer on it, and the `pulsar` crate sends
-    /// it again on each reconnection until its operation timeout.)
-    #[error("a message of {size} bytes for {topic} is larger than the broker's maximum message size ({limit} bytes); not sent")]
+    /// it again on each reconnection until its operation timeout; a bookie
+    /// can refuse an entry a little smaller, and the broker then retries
+    /// the write without end.)
+    #[error("a message of about {size} bytes for {topic} is larger than the broker's maximum message size ({limit} bytes); not sent")]
     MessageTooLarge {
         /// The topic it was for.
         topic: String,
-        /// Its payload's size in bytes.
+        /// About what it would take on the broker, in bytes: its payload,
+        /// properties and keys, and 1 KiB for headers.
         size: usize,
         /// The maximum message size the transport was given.
         limit: usize,

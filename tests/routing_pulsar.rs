@@ -590,8 +590,11 @@ fn a_reply_larger_than_the_broker_takes_is_not_sent_and_its_original_comes_back(
             let calls = calls.clone();
             async move |_: &Message| {
                 calls.set(calls.get() + 1);
+                // Far above the limit, so that a broker sent it drops the
+                // connection: a little above, it takes the message and its
+                // bookie refuses it, and the broker retries for ever.
                 let size = if calls.get() == 1 {
-                    pulsar_dispatcher::transport::DEFAULT_MAX_MESSAGE_SIZE + 1
+                    pulsar_dispatcher::transport::DEFAULT_MAX_MESSAGE_SIZE + (1 << 20)
                 } else {
                     5
                 };

@@ -60,7 +60,7 @@ pub struct PulsarTransport {
     max_message_size: usize,
 }
 
-/// The largest payload the transport's producers send unless told
+/// The largest message the transport's producers send unless told
 /// otherwise: the broker's default `maxMessageSize`, 5 MiB. (The broker
 /// tells its clients its own setting when they connect, but the `pulsar`
 /// crate does not pass it on.)
@@ -93,9 +93,10 @@ impl PulsarTransport {
         }
     }
 
-    /// The largest payload its producers send (replies, retries, dead
-    /// letters): set it to the broker's `maxMessageSize` where that is not
-    /// the default [`DEFAULT_MAX_MESSAGE_SIZE`]. A larger payload fails with
+    /// The largest message its producers send (replies, retries, dead
+    /// letters), counting its payload, properties and keys and 1 KiB for
+    /// headers: set it to the broker's `maxMessageSize` where that is not
+    /// the default [`DEFAULT_MAX_MESSAGE_SIZE`]. A larger message fails with
     /// [`TransportError::MessageTooLarge`] without being sent, and its
     /// original is nacked, as after any failed publish.
     #[must_use]
@@ -625,6 +626,27 @@ impl Consumer for PulsarConsumer {
     }
 }
 
+/// What the headers around a message's payload and metadata take, with
+/// room to spare: the broker's frame and its entry on a bookie (about 110
+/// bytes measured).
+const HEADER_ALLOWANCE: usize = 1024;
+
+/// About what a message takes on the broker and its bookies: its payload,
+/// properties and keys, and [`HEADER_ALLOWANCE`]. Above the broker's
+/// maximum message size a broker drops the connection; a little below it,
+/// a bookie whose frame limit is that size (a standalone broker's is)
+/// refuses the entry, and the broker retries the write without end.
+fn stored_size(message: &OutgoingMessage) -> usize {
+    let properties: usize = message
+        .properties
+        .iter()
+        .map(|(key, value)| key.len() + value.len())
+        .sum();
+    let keys = message.partition_key.as_ref().map_or(0, String::len)
+        + message.ordering_key.as_ref().map_or(0, Vec::len);
+    message.payload.len() + properties + keys + HEADER_ALLOWANCE
+}
+
 /// A producer of the Pulsar transport.
 pub struct PulsarProducer {
     producer: tokio::sync::Mutex<pulsar::Producer<TokioExecutor>>,
@@ -642,7 +664,7 @@ impl std::fmt::Debug for PulsarProducer {
 
 impl Producer for PulsarProducer {
     async fn send(&self, message: OutgoingMessage) -> Result<(), TransportError> {
-        let size = message.payload.len();
+        let size = stored_size(&message);
         if size > self.max_message_size {
             return Err(TransportError::MessageTooLarge {
                 topic: self.topic.to_string(),
@@ -670,5 +692,27 @@ impl Producer for PulsarProducer {
 
     async fn close(&self) -> Result<(), TransportError> {
         Ok(self.producer.lock().await.close().await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_messages_stored_size_counts_its_metadata_and_the_headers() {
+        let mut message = OutgoingMessage::new(vec![0; 1000]);
+        assert_eq!(stored_size(&message), 1000 + HEADER_ALLOWANCE);
+        message
+            .properties
+            .push(("RECONSUMETIMES".into(), "1".into()));
+        message.partition_key = Some("key".into());
+        message.ordering_key = Some(b"order".to_vec());
+        assert_eq!(stored_size(&message), 1000 + 15 + 3 + 5 + HEADER_ALLOWANCE);
+        // The standalone broker's bookie got a frame 109 bytes longer than
+        // the payload and refuses frames over 5 MiB: a payload 100 bytes
+        // short of the limit is refused.
+        let near_the_limit = OutgoingMessage::new(vec![0; DEFAULT_MAX_MESSAGE_SIZE - 100]);
+        assert!(stored_size(&near_the_limit) > DEFAULT_MAX_MESSAGE_SIZE);
     }
 }
