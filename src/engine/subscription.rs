@@ -154,6 +154,10 @@ pub(crate) enum Received {
 /// Errors the consumer returned in a row, and when to try it again.
 #[derive(Default)]
 struct ReceiveFailures {
+    /// Whether the last error was a part of the consumer (a partition)
+    /// starting to be subscribed again: the consumer then tells when it
+    /// is back (`Consumer::failing_since`), before any message shows it.
+    last_was_resubscribe: bool,
     in_a_row: u32,
     since: Option<Instant>,
     last_error: Option<Instant>,
@@ -326,11 +330,30 @@ impl<T: Transport> Subscription<T> {
         }
     }
 
+    /// Nothing to receive while receives were failing: if the failure was
+    /// a part being subscribed again and no part is failing any more, the
+    /// consumer works again, though no message may come to show it for a
+    /// long time (an idle topic after a broker restart). The spell's count
+    /// stays until it ends quietly: a partition whose stream keeps ending
+    /// backs off and meets the limit as before.
+    fn pending_while_failing(&self) {
+        let failures = self.failures.borrow();
+        if failures.last_was_resubscribe && self.consumer_failing_since().is_none() {
+            self.failing.set(false);
+            info!(topic = %self.topic, subscription = self.info.subscription.as_deref(), errors = failures.in_a_row, "subscribed again; receiving works again");
+        }
+    }
+
     /// What a poll that gave no message means.
     #[inline(never)]
     fn nothing_received(&self, polled: Poll<Option<Result<(), TransportError>>>) -> Received {
         match polled {
-            Poll::Pending => Received::Nothing,
+            Poll::Pending => {
+                if self.failing.get() {
+                    self.pending_while_failing();
+                }
+                Received::Nothing
+            }
             Poll::Ready(Some(Ok(()))) => unreachable!("a message is received inline"),
             Poll::Ready(Some(Err(error))) => {
                 bump(&self.counters.receive_errors);
@@ -357,6 +380,7 @@ impl<T: Transport> Subscription<T> {
             *failures = ReceiveFailures::default();
         }
         failures.last_error = Some(now);
+        failures.last_was_resubscribe = matches!(error, TransportError::Resubscribing { .. });
         self.failing.set(true);
         failures.in_a_row = failures.in_a_row.saturating_add(1);
         let since = *failures.since.get_or_insert(now);

@@ -596,6 +596,43 @@ fn a_partition_that_stays_down_stops_the_dispatcher_at_the_limit() {
     }
 }
 
+/// After a partition was subscribed again (its stream had ended), an idle
+/// subscription is healthy again as soon as the consumer reports the
+/// partition back, not once a message comes or the quiet period after the
+/// error (the receive failure limit, 60 s by default) has passed.
+#[test]
+fn a_resubscribed_partition_is_healthy_again_before_any_message_comes() {
+    super::run_paused(async {
+        let transport = Hooked::default();
+        let memory = transport.inner.clone();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(1)
+            .build(transport.clone())
+            .unwrap();
+        dispatcher
+            .subscribe("jobs", hangs_on_request, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        let receiving = || dispatcher.health().subscriptions[0].receiving;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(receiving());
+        transport.part_resubscribing();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!receiving(), "a partition is being subscribed again");
+        assert_eq!(dispatcher.stats().total().receive_errors, 1);
+        transport.part_resubscribed();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(receiving(), "{:?}", dispatcher.health());
+        memory.send("jobs", "after");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(memory.acked("jobs").len(), 1);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
 /// A handler past its processing deadline whose drop panics (a value it
 /// holds panics in `Drop`) is the handler's panic: its message is nacked
 /// as a panicked one, the worker goes on, and health does not keep it as

@@ -1,13 +1,14 @@
 //! The in-memory transport with hooks for what it cannot do itself: acks
 //! that panic (a bug in the dispatcher's own path after a handler),
 //! consumer closes that take a while, a part of the consumer (a
-//! partition) that has stopped delivering, producers whose creation is
+//! partition) that has stopped delivering and is subscribed again later,
+//! producers whose creation is
 //! answered late, and publishes that take a while; it logs the closes, in
 //! order.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -23,6 +24,10 @@ pub(super) struct Hooked {
     acks_panic: Rc<Cell<bool>>,
     close_takes: Rc<Cell<Duration>>,
     part_failing_since: Rc<Cell<Option<tokio::time::Instant>>>,
+    /// Receives still to fail as a partition's ended stream does.
+    resubscribe_errors: Rc<Cell<usize>>,
+    /// The last consumer's waker, woken as a partition's resubscribe is.
+    receiver: Rc<RefCell<Option<Waker>>>,
     /// "consumer <topic> closed" and "transport closed", as they happen.
     pub(super) closes: Rc<RefCell<Vec<String>>>,
     held_producers: Rc<HeldProducers>,
@@ -80,6 +85,30 @@ impl Hooked {
     pub(super) fn part_failing_since(&self, since: Option<tokio::time::Instant>) {
         self.part_failing_since.set(since);
     }
+
+    /// Part of the consumer stops delivering as a partition whose stream
+    /// ended: the next receive fails with `TransportError::Resubscribing`,
+    /// and the consumer reports the part failing until
+    /// [`part_resubscribed`](Self::part_resubscribed).
+    pub(super) fn part_resubscribing(&self) {
+        self.part_failing_since(Some(tokio::time::Instant::now()));
+        self.resubscribe_errors
+            .set(self.resubscribe_errors.get() + 1);
+        self.wake_receiver();
+    }
+
+    /// The part is subscribed again, and wakes the consumer, as a
+    /// partition's resubscribe does.
+    pub(super) fn part_resubscribed(&self) {
+        self.part_failing_since(None);
+        self.wake_receiver();
+    }
+
+    fn wake_receiver(&self) {
+        if let Some(waker) = self.receiver.borrow_mut().take() {
+            waker.wake();
+        }
+    }
 }
 
 pub(super) struct HookedConsumer {
@@ -128,6 +157,13 @@ impl Consumer for HookedConsumer {
         cx: &mut Context<'_>,
         slot: &mut Option<Message>,
     ) -> Poll<Option<Result<(), TransportError>>> {
+        *self.hooks.receiver.borrow_mut() = Some(cx.waker().clone());
+        let errors = &self.hooks.resubscribe_errors;
+        if errors.get() > 0 {
+            errors.set(errors.get() - 1);
+            let topic = self.topic.clone();
+            return Poll::Ready(Some(Err(TransportError::Resubscribing { topic })));
+        }
         self.inner.poll_receive(cx, slot)
     }
 
