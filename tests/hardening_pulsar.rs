@@ -1,15 +1,18 @@
 //! Failure handling against a real Apache Pulsar broker: a subscription
-//! another consumer holds, a topic the broker refuses to publish to, and a
-//! handler that never returns.
+//! another consumer holds, a topic the broker refuses to publish to, a
+//! handler that never returns, and a topic terminated while consumed.
 
 mod common;
 
+use std::cell::RefCell;
 use std::convert::Infallible;
 use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    client, close_and_join, pulsar_url, run_local, start, unique_name, unique_topic, wait_for_stats,
+    admin_request, base_topic, client, close_and_join, fresh_topic, keyed_messages, payload_number,
+    pulsar_url, run_local, start, unique_name, unique_topic, wait_for_empty_backlog,
+    wait_for_stats, wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Error, Message, SubType, SubscribeOptions};
 
@@ -159,4 +162,88 @@ fn close_within_returns_with_a_hung_handler_and_its_message_comes_back() {
         .await;
         close_and_join(&second, run).await;
     });
+}
+
+/// An operator terminates a topic (`pulsar-admin topics terminate`, as when
+/// a stream is retired): its backlog is still handled, the end of the topic
+/// ends its consumers' streams, which are subscribed again, and the
+/// dispatcher goes on, healthy, with its other subscriptions; plain and
+/// partitioned topics.
+#[test]
+fn a_terminated_topic_is_drained_and_the_dispatcher_goes_on() {
+    run_local(Duration::from_secs(120), async {
+        for kind in [TopicKind::Plain, TopicKind::Partitioned(3)] {
+            let retired = fresh_topic("retired", kind);
+            let live = fresh_topic("live", kind);
+            let subscription = unique_name("sub");
+            let dispatcher = common::dispatcher().await;
+            let handled: Rc<RefCell<Vec<(String, usize)>>> = Rc::default();
+            for topic in [&retired, &live] {
+                let handled = handled.clone();
+                let handler = async move |message: &Message| {
+                    let topic = base_topic(message.topic()).to_owned();
+                    handled.borrow_mut().push((topic, payload_number(message)));
+                    Ok::<_, Infallible>(())
+                };
+                let options = SubscribeOptions::new()
+                    .subscription(&subscription)
+                    .subscription_type(SubType::Shared);
+                dispatcher.subscribe(topic, handler, options).await.unwrap();
+            }
+            let run = start(&dispatcher);
+            let handled_on = |topic: &str| {
+                let handled = handled.borrow();
+                handled.iter().filter(|(on, _)| on == topic).count()
+            };
+            common::publish(&retired, keyed_messages(10, 3)).await;
+            {
+                let retired = retired.clone();
+                tokio::task::spawn_blocking(move || terminate(&retired, kind))
+                    .await
+                    .unwrap();
+            }
+            wait_until(
+                "the retired topic's messages",
+                Duration::from_secs(20),
+                || handled_on(&retired) == 10,
+            )
+            .await;
+            common::publish(&live, keyed_messages(10, 3)).await;
+            wait_until("the live topic's messages", Duration::from_secs(20), || {
+                handled_on(&live) == 10
+            })
+            .await;
+            // The end of the topic ends the consumers' streams, each a
+            // receive error while it is subscribed again.
+            wait_until(
+                "the end of the retired topic",
+                Duration::from_secs(20),
+                || dispatcher.stats().total().receive_errors > 0,
+            )
+            .await;
+            wait_until("a healthy dispatcher", Duration::from_secs(20), || {
+                dispatcher.health().is_ready()
+            })
+            .await;
+            assert!(!run.is_finished(), "{kind:?}: the dispatcher stopped");
+            wait_for_empty_backlog(&retired, &subscription).await;
+            close_and_join(&dispatcher, run).await;
+            assert_eq!(handled_on(&retired), 10, "{kind:?}: each handled once");
+        }
+    });
+}
+
+/// Terminates `topic` (every partition of a partitioned one) through the
+/// admin API. Blocks; call it from `spawn_blocking`.
+fn terminate(topic: &str, kind: TopicKind) {
+    let name = topic.trim_start_matches("persistent://");
+    let path = match kind {
+        TopicKind::Plain => format!("/admin/v2/persistent/{name}/terminate"),
+        TopicKind::Partitioned(_) => format!("/admin/v2/persistent/{name}/terminate/partitions"),
+    };
+    let (status, body) = admin_request("POST", &path, None).unwrap();
+    assert!(
+        (200..300).contains(&status),
+        "POST {path}: HTTP {status}: {body}"
+    );
 }
