@@ -93,6 +93,23 @@ pub enum TransportError {
     Injected(String),
 }
 
+impl TransportError {
+    /// Whether the error is about one message the consumer could not read
+    /// (encrypted, compressed in a way the `pulsar` crate cannot undo, or
+    /// without a payload), not about the consumer: it goes on receiving
+    /// the messages after it, and the message stays unacknowledged.
+    pub fn is_unreadable_message(&self) -> bool {
+        use pulsar::error::ConsumerError;
+        matches!(
+            self,
+            TransportError::Encrypted { .. }
+                | TransportError::Pulsar(pulsar::Error::Consumer(
+                    ConsumerError::Io(_) | ConsumerError::MissingPayload(_)
+                ))
+        )
+    }
+}
+
 impl From<pulsar::error::ConsumerError> for TransportError {
     fn from(error: pulsar::error::ConsumerError) -> Self {
         TransportError::Pulsar(error.into())
@@ -309,6 +326,28 @@ mod tests {
         );
         let refused = TransportError::Closed;
         assert_eq!(ErrorChain(&refused).to_string(), "the transport is closed");
+    }
+
+    #[test]
+    fn errors_about_one_message_are_told_from_errors_about_the_consumer() {
+        use pulsar::error::ConsumerError;
+        let decompression = ConsumerError::Io(std::io::Error::other("snappy"));
+        let unreadable = [
+            TransportError::Encrypted {
+                topic: "t".into(),
+                message_id: "1:2:-1".into(),
+            },
+            TransportError::from(decompression),
+            TransportError::from(ConsumerError::MissingPayload("none".into())),
+        ];
+        assert!(unreadable.iter().all(TransportError::is_unreadable_message));
+        let failures = [
+            TransportError::Resubscribing { topic: "t".into() },
+            TransportError::Closed,
+            TransportError::from(ConsumerError::Closed),
+            TransportError::Pulsar(pulsar::Error::Custom("lookup failed".into())),
+        ];
+        assert!(!failures.iter().any(TransportError::is_unreadable_message));
     }
 
     #[test]

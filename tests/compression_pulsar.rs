@@ -320,6 +320,53 @@ fn an_encrypted_message_is_reported_and_left_to_a_consumer_with_the_key() {
     });
 }
 
+/// On an idle Failover subscription the stall check sees the backlog of an
+/// encrypted message stand still and asks for it again every few
+/// intervals: each delivery is a receive error, and none is a failure of
+/// receiving. The dispatcher stays healthy past the receive failure limit
+/// (it used to stop with `ConsumerFailing` once the errors had gone on for
+/// that long).
+#[test]
+fn an_encrypted_message_on_an_idle_failover_subscription_does_not_stop_the_dispatcher() {
+    run_local(Duration::from_secs(120), async {
+        let keys = test_key_pair();
+        let topic = fresh_topic("encrypted-idle", TopicKind::Plain);
+        let subscription = unique_name("encrypted-idle-sub");
+        let dispatcher = common::dispatcher().await;
+        let options = SubscribeOptions::new()
+            .subscription(&subscription)
+            .subscription_type(SubType::Failover)
+            .stall_check(Some(Duration::from_secs(1)))
+            .receive_failure_limit(Duration::from_secs(5));
+        dispatcher
+            .subscribe(
+                &topic,
+                async |_: &Message| Ok::<(), std::convert::Infallible>(()),
+                options,
+            )
+            .await
+            .unwrap();
+        let mut request = serde_json::json!({
+            "service_url": common::pulsar_url(),
+            "topic": topic,
+            "messages": [{ "payload": "secret" }],
+        });
+        request["encryption"] = keys.clone();
+        common::run_interop("produce.py", request).await;
+        let run = start(&dispatcher);
+        wait_until(
+            "deliveries past the failure limit",
+            Duration::from_secs(60),
+            || dispatcher.stats().total().receive_errors >= 4,
+        )
+        .await;
+        assert!(!run.is_finished(), "the dispatcher stopped");
+        assert!(dispatcher.health().is_ready(), "{:?}", dispatcher.health());
+        close_and_join(&dispatcher, run).await;
+        assert_eq!(left_for_python(&topic, &subscription, keys).await, "secret");
+    });
+}
+
 /// The payload of the one message the dispatcher left on `subscription`,
 /// as a Python consumer (with `crypto`, a key pair, or null) reads it.
 async fn left_for_python(topic: &str, subscription: &str, crypto: serde_json::Value) -> String {

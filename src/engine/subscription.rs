@@ -163,6 +163,8 @@ struct ReceiveFailures {
     last_error: Option<Instant>,
     retry_at: Option<Instant>,
     log: LogLimit,
+    /// For messages that cannot be read, which are no failure.
+    unreadable_log: LogLimit,
 }
 
 /// The first retry after a receive error waits this long, doubling up to
@@ -357,6 +359,9 @@ impl<T: Transport> Subscription<T> {
             Poll::Ready(Some(Ok(()))) => unreachable!("a message is received inline"),
             Poll::Ready(Some(Err(error))) => {
                 bump(&self.counters.receive_errors);
+                if error.is_unreadable_message() {
+                    return self.unreadable(error);
+                }
                 self.receive_failed(error)
             }
             Poll::Ready(None) => {
@@ -366,6 +371,21 @@ impl<T: Transport> Subscription<T> {
                 })
             }
         }
+    }
+
+    /// A message the consumer could not read, which it leaves
+    /// unacknowledged: no failure of receiving (health, the failure limit
+    /// and the retry backoff ignore it; on a Failover subscription the
+    /// stall check brings such a message back every few intervals). Logged
+    /// at most every [`LOG_INTERVAL`](crate::log_limit::LOG_INTERVAL); the
+    /// next message is received at once.
+    fn unreadable(&self, error: TransportError) -> Received {
+        let now = Instant::now();
+        if let Some(not_logged) = self.failures.borrow().unreadable_log.admit(now) {
+            warn!(topic = %self.topic, subscription = self.info.subscription.as_deref(), error = %ErrorChain(&error), not_logged, "a message cannot be read; left unacknowledged, receiving goes on");
+        }
+        self.wake();
+        Received::Nothing
     }
 
     /// Schedules the next attempt after a receive error, logging at most

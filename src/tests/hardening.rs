@@ -496,15 +496,9 @@ fn reservations_must_leave_a_permit_unreserved() {
 #[test]
 fn an_old_receive_error_and_a_long_idle_time_are_not_a_long_failure() {
     super::run_paused(async {
-        let (dispatcher, transport) = dispatcher(1);
+        let transport = MemoryTransport::new();
         transport.fail_receives("jobs", 1);
-        let limit = options(1).receive_failure_limit(Duration::from_secs(5));
-        dispatcher
-            .subscribe("jobs", hangs_on_request, limit)
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
+        let (dispatcher, run) = running_on(&transport, Duration::from_secs(5)).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(dispatcher.stats().total().receive_errors, 1);
         tokio::time::sleep(Duration::from_secs(600)).await;
@@ -543,6 +537,42 @@ fn a_handler_cancelled_at_shutdown_is_not_reported_overdue_later() {
     });
 }
 
+/// A running dispatcher of one permit on `transport`, with one
+/// subscription to "jobs" of the given receive failure limit.
+async fn running_on<T: crate::transport::Transport + Clone>(
+    transport: &T,
+    receive_failure_limit: Duration,
+) -> (
+    Rc<Dispatcher<T>>,
+    tokio::task::JoinHandle<Result<(), Error>>,
+) {
+    let dispatcher = Dispatcher::builder()
+        .concurrency(1)
+        .build(transport.clone())
+        .unwrap();
+    let limit = options(1).receive_failure_limit(receive_failure_limit);
+    dispatcher
+        .subscribe("jobs", hangs_on_request, limit)
+        .await
+        .unwrap();
+    let dispatcher = Rc::new(dispatcher);
+    let run = spawn_run(&dispatcher);
+    (dispatcher, run)
+}
+
+/// [`running_on`] the hooked transport.
+async fn running_on_hooks(
+    receive_failure_limit: Duration,
+) -> (
+    Hooked,
+    Rc<Dispatcher<Hooked>>,
+    tokio::task::JoinHandle<Result<(), Error>>,
+) {
+    let transport = Hooked::default();
+    let (dispatcher, run) = running_on(&transport, receive_failure_limit).await;
+    (transport, dispatcher, run)
+}
+
 /// A consumer part of which has stopped delivering (a partition being
 /// subscribed again, after its stream ended with an error) stops the
 /// dispatcher at the receive failure limit: also when the other parts
@@ -552,21 +582,10 @@ fn a_handler_cancelled_at_shutdown_is_not_reported_overdue_later() {
 fn a_partition_that_stays_down_stops_the_dispatcher_at_the_limit() {
     for others_deliver in [true, false] {
         super::run_paused(async {
-            let transport = Hooked::default();
+            let (transport, dispatcher, run) = running_on_hooks(Duration::from_secs(5)).await;
             let memory = transport.inner.clone();
-            let dispatcher = Dispatcher::builder()
-                .concurrency(1)
-                .build(transport.clone())
-                .unwrap();
-            let limit = options(1).receive_failure_limit(Duration::from_secs(5));
-            dispatcher
-                .subscribe("jobs", hangs_on_request, limit)
-                .await
-                .unwrap();
             memory.fail_receives("jobs", 1);
             transport.part_failing_since(Some(tokio::time::Instant::now()));
-            let dispatcher = Rc::new(dispatcher);
-            let run = spawn_run(&dispatcher);
             for second in 0..20 {
                 if others_deliver {
                     memory.send("jobs", format!("{second}"));
@@ -603,18 +622,9 @@ fn a_partition_that_stays_down_stops_the_dispatcher_at_the_limit() {
 #[test]
 fn a_resubscribed_partition_is_healthy_again_before_any_message_comes() {
     super::run_paused(async {
-        let transport = Hooked::default();
+        let limit = crate::DEFAULT_RECEIVE_FAILURE_LIMIT;
+        let (transport, dispatcher, run) = running_on_hooks(limit).await;
         let memory = transport.inner.clone();
-        let dispatcher = Dispatcher::builder()
-            .concurrency(1)
-            .build(transport.clone())
-            .unwrap();
-        dispatcher
-            .subscribe("jobs", hangs_on_request, options(1))
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
         let receiving = || dispatcher.health().subscriptions[0].receiving;
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(receiving());
@@ -626,6 +636,33 @@ fn a_resubscribed_partition_is_healthy_again_before_any_message_comes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(receiving(), "{:?}", dispatcher.health());
         memory.send("jobs", "after");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(memory.acked("jobs").len(), 1);
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+/// A message the consumer cannot read (encrypted, say), which it leaves
+/// unacknowledged and, on a Failover subscription, gets again every few
+/// seconds, is no failure of receiving: the dispatcher stays healthy and
+/// goes on past the receive failure limit, and the messages around it are
+/// handled.
+#[test]
+fn messages_that_cannot_be_read_are_no_failure_of_receiving() {
+    super::run_paused(async {
+        let (transport, dispatcher, run) = running_on_hooks(Duration::from_secs(5)).await;
+        let memory = transport.inner.clone();
+        // An idle topic: nothing else arrives to show that receiving works.
+        for second in 0..20 {
+            transport.unreadable_message();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let health = dispatcher.health();
+            assert!(health.is_ready(), "after {second} s: {health:?}");
+        }
+        assert!(!run.is_finished(), "the dispatcher stopped");
+        assert_eq!(dispatcher.stats().total().receive_errors, 20);
+        memory.send("jobs", "readable");
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(memory.acked("jobs").len(), 1);
         dispatcher.close().await;

@@ -2,11 +2,13 @@
 //! that panic (a bug in the dispatcher's own path after a handler),
 //! consumer closes that take a while, a part of the consumer (a
 //! partition) that has stopped delivering and is subscribed again later,
+//! messages that cannot be read,
 //! producers whose creation is
 //! answered late, and publishes that take a while; it logs the closes, in
 //! order.
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -24,8 +26,8 @@ pub(super) struct Hooked {
     acks_panic: Rc<Cell<bool>>,
     close_takes: Rc<Cell<Duration>>,
     part_failing_since: Rc<Cell<Option<tokio::time::Instant>>>,
-    /// Receives still to fail as a partition's ended stream does.
-    resubscribe_errors: Rc<Cell<usize>>,
+    /// Errors the next receives return, first first.
+    receive_errors: Rc<RefCell<VecDeque<TransportError>>>,
     /// The last consumer's waker, woken as a partition's resubscribe is.
     receiver: Rc<RefCell<Option<Waker>>>,
     /// "consumer <topic> closed" and "transport closed", as they happen.
@@ -92,8 +94,21 @@ impl Hooked {
     /// [`part_resubscribed`](Self::part_resubscribed).
     pub(super) fn part_resubscribing(&self) {
         self.part_failing_since(Some(tokio::time::Instant::now()));
-        self.resubscribe_errors
-            .set(self.resubscribe_errors.get() + 1);
+        let topic = "persistent://public/default/a-partition".to_owned();
+        self.fail_next_receive(TransportError::Resubscribing { topic });
+    }
+
+    /// The next receive gives a message that cannot be read, as an
+    /// encrypted one.
+    pub(super) fn unreadable_message(&self) {
+        self.fail_next_receive(TransportError::Encrypted {
+            topic: "persistent://public/default/a-partition".to_owned(),
+            message_id: "1:2:-1".into(),
+        });
+    }
+
+    fn fail_next_receive(&self, error: TransportError) {
+        self.receive_errors.borrow_mut().push_back(error);
         self.wake_receiver();
     }
 
@@ -158,11 +173,8 @@ impl Consumer for HookedConsumer {
         slot: &mut Option<Message>,
     ) -> Poll<Option<Result<(), TransportError>>> {
         *self.hooks.receiver.borrow_mut() = Some(cx.waker().clone());
-        let errors = &self.hooks.resubscribe_errors;
-        if errors.get() > 0 {
-            errors.set(errors.get() - 1);
-            let topic = self.topic.clone();
-            return Poll::Ready(Some(Err(TransportError::Resubscribing { topic })));
+        if let Some(error) = self.hooks.receive_errors.borrow_mut().pop_front() {
+            return Poll::Ready(Some(Err(error)));
         }
         self.inner.poll_receive(cx, slot)
     }
