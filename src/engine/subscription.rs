@@ -375,8 +375,8 @@ impl<T: Transport> Subscription<T> {
 
     /// A message the consumer could not read, which it leaves
     /// unacknowledged: no failure of receiving (health, the failure limit
-    /// and the retry backoff ignore it; on a Failover subscription the
-    /// stall check brings such a message back every few intervals). Logged
+    /// and the retry backoff ignore it; the broker may deliver it again,
+    /// after a rewind or a reconnection). Logged
     /// at most every [`LOG_INTERVAL`](crate::log_limit::LOG_INTERVAL); the
     /// next message is received at once.
     fn unreadable(&self, error: TransportError) -> Received {

@@ -282,10 +282,17 @@ impl Partition {
                             Poll::Pending
                         }
                         Poll::Ready(Some(received)) => {
+                            let received = received.map_err(TransportError::from);
                             if let Some(stall) = &mut self.stall {
                                 stall.delivered();
+                                if received
+                                    .as_ref()
+                                    .is_err_and(TransportError::is_unreadable_message)
+                                {
+                                    stall.unreadable();
+                                }
                             }
-                            Poll::Ready(received.map_err(Into::into))
+                            Poll::Ready(received)
                         }
                         Poll::Ready(None) => {
                             warn!(topic = %self.topic, "the consumer's stream ended (the `pulsar` crate gave up on its connection); subscribing again");
@@ -363,6 +370,15 @@ impl Partition {
         }
     }
 
+    /// A message this partition delivered cannot be read (it is
+    /// encrypted): it stays in the backlog, which the stall check counts as
+    /// held.
+    pub(super) fn delivered_unreadable(&mut self) {
+        if let Some(stall) = &mut self.stall {
+            stall.unreadable();
+        }
+    }
+
     /// Rewinds asked for because the backlog stalled.
     pub(super) fn stalls_rewound(&self) -> u64 {
         self.stall.as_ref().map_or(0, |stall| stall.rewound)
@@ -384,6 +400,10 @@ impl Partition {
             .resubscribing_since
             .get_or_insert_with(tokio::time::Instant::now);
         self.stream_ended_at = Some(since);
+        if let Some(stall) = &mut self.stall {
+            // The new consumer is given everything unacknowledged again.
+            stall.rewinding();
+        }
         let (subscriber, topic) = (self.subscriber.clone(), self.topic.clone());
         self.state = State::Resubscribing(Box::pin(async move {
             tokio::time::sleep(after).await;
@@ -394,6 +414,9 @@ impl Partition {
     /// Acks (or nacks) an entry; kept for the new consumer while the
     /// partition is being subscribed again.
     pub(super) fn settle(&mut self, id: MessageIdData, ack: bool) -> Result<(), TransportError> {
+        if let (false, Some(stall)) = (ack, &mut self.stall) {
+            stall.rewinding();
+        }
         let State::Open(consumer) = &mut self.state else {
             self.pending.push((id, ack));
             return Ok(());

@@ -460,6 +460,7 @@ impl PulsarConsumer {
             id.partition = Some(partition as i32);
         }
         if !metadata.encryption_keys.is_empty() {
+            self.partitions[partition].delivered_unreadable();
             return Err(TransportError::Encrypted {
                 topic: self.partitions[partition].topic.to_string(),
                 message_id: MessageId::from_broker(id, None).to_string().into(),

@@ -41,7 +41,9 @@
 //! delivered nothing and holds nothing unsettled for a whole check
 //! interval, the consumer asks the broker for the subscription's backlog on
 //! it, and a backlog that is not empty and has not moved since the check
-//! before makes it ask for a rewind. A standby consumer's checks see the
+//! before makes it ask for a rewind; messages the partition delivered and
+//! could not read (encrypted, say), which stay in the backlog, count as
+//! held, not stalled. A standby consumer's checks see the
 //! active one drain the backlog, or see none, and ask nothing; a rewind
 //! that a standby consumer does ask for (the active one stuck for two
 //! intervals on a long handler) the broker ignores.
@@ -202,6 +204,9 @@ pub(super) struct StallCheck {
     delivered: bool,
     /// The backlog the last check read, if nothing was delivered since.
     last_backlog: Option<u64>,
+    /// Messages delivered that cannot be read, left in the backlog, since
+    /// the partition last asked for a rewind (which delivers them again).
+    unreadable: u64,
     /// Rewinds asked for because the backlog stalled.
     pub(super) rewound: u64,
 }
@@ -213,6 +218,7 @@ impl StallCheck {
             next: Box::pin(tokio::time::sleep(every)),
             delivered: false,
             last_backlog: None,
+            unreadable: 0,
             rewound: 0,
         }
     }
@@ -221,6 +227,18 @@ impl StallCheck {
     #[inline]
     pub(super) fn delivered(&mut self) {
         self.delivered = true;
+    }
+
+    /// A message the partition delivered cannot be read: it stays in the
+    /// backlog, which is then held, not stalled.
+    pub(super) fn unreadable(&mut self) {
+        self.unreadable += 1;
+    }
+
+    /// The partition asked for a rewind (a nack, on Failover): the broker
+    /// delivers everything unacknowledged again, unreadable messages too.
+    pub(super) fn rewinding(&mut self) {
+        self.unreadable = 0;
     }
 
     /// Ready when the broker should be asked for the partition's backlog:
@@ -245,12 +263,19 @@ impl StallCheck {
     }
 
     /// What the broker answered (`None` when it could not be asked):
-    /// whether to ask for a rewind, because the backlog is not empty and
-    /// stood still since the check before, with nothing delivered between.
-    /// After a rewind it takes two more such checks to ask again.
+    /// whether to ask for a rewind, because the backlog holds more than the
+    /// unreadable messages delivered and stood still since the check
+    /// before, with nothing delivered between. After a rewind it takes two
+    /// more such checks to ask again.
     pub(super) fn stalled(&mut self, backlog: Option<u64>) -> bool {
+        if let Some(backlog) = backlog {
+            // Fewer: another consumer settled some (after a hand-over).
+            self.unreadable = self.unreadable.min(backlog);
+        }
         let stalled = !self.delivered
-            && backlog.is_some_and(|backlog| backlog > 0 && self.last_backlog == Some(backlog));
+            && backlog.is_some_and(|backlog| {
+                backlog > self.unreadable && self.last_backlog == Some(backlog)
+            });
         self.last_backlog = if stalled { None } else { backlog };
         self.rewound += u64::from(stalled);
         stalled
@@ -452,6 +477,32 @@ mod tests {
         assert!(!check.stalled(Some(3)));
         assert!(check.stalled(Some(3)));
         assert_eq!(check.rewound, 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_backlog_of_unreadable_messages_is_held_not_stalled() {
+        let mut check = StallCheck::new(EVERY);
+        check.unreadable();
+        check.unreadable();
+        assert!(!check.stalled(Some(2)));
+        assert!(!check.stalled(Some(2)), "two unreadable messages stay");
+        assert!(!check.stalled(Some(3)));
+        assert!(check.stalled(Some(3)), "one more message than those");
+        check.rewinding();
+        assert!(!check.stalled(Some(2)));
+        assert!(
+            check.stalled(Some(2)),
+            "after a rewind they are counted again"
+        );
+        check.unreadable();
+        check.unreadable();
+        assert!(!check.stalled(Some(1)), "another consumer settled one");
+        assert!(!check.stalled(Some(1)));
+        assert!(
+            !check.stalled(Some(2)),
+            "the count followed the backlog down"
+        );
+        assert!(check.stalled(Some(2)));
     }
 
     #[tokio::test(start_paused = true)]
