@@ -233,8 +233,13 @@ pub fn ensure_namespace(namespace: &str) {
         if status == 204 || status == 409 {
             continue;
         }
-        let (found, _) = http_get(&path).unwrap_or_else(|e| panic!("GET {}{path}: {e}", web_url()));
-        assert_eq!(found, 200, "PUT {path}: HTTP {status}: {answer}");
+        let exists = (0..50).any(|attempt| {
+            if attempt > 0 {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            matches!(http_get(&path), Ok((200, _)))
+        });
+        assert!(exists, "PUT {path}: HTTP {status}: {answer}");
     }
 }
 
