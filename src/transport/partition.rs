@@ -216,9 +216,8 @@ pub(super) struct Partition {
     /// Settlements made while the consumer is being replaced or checked:
     /// (id, ack?).
     pending: Vec<(MessageIdData, bool)>,
-    /// When its stream ended, while it is being subscribed again.
-    resubscribing_since: Option<tokio::time::Instant>,
-    /// When its stream last ended (the crate gave up on its connection).
+    /// When its stream last ended (the crate gave up on its connection);
+    /// while it is being subscribed again, since when.
     stream_ended_at: Option<tokio::time::Instant>,
     /// On a persistent Failover subscription with the check on.
     stall: Option<StallCheck>,
@@ -251,7 +250,6 @@ impl Partition {
             topic: Rc::from(topic),
             state: State::Open(Box::new(consumer)),
             pending: Vec::new(),
-            resubscribing_since: None,
             stream_ended_at: None,
             stall,
             subscriber,
@@ -282,17 +280,10 @@ impl Partition {
                             Poll::Pending
                         }
                         Poll::Ready(Some(received)) => {
-                            let received = received.map_err(TransportError::from);
                             if let Some(stall) = &mut self.stall {
                                 stall.delivered();
-                                if received
-                                    .as_ref()
-                                    .is_err_and(TransportError::is_unreadable_message)
-                                {
-                                    stall.unreadable();
-                                }
                             }
-                            Poll::Ready(received)
+                            Poll::Ready(received.map_err(Into::into))
                         }
                         Poll::Ready(None) => {
                             warn!(topic = %self.topic, "the consumer's stream ended (the `pulsar` crate gave up on its connection); subscribing again");
@@ -308,7 +299,6 @@ impl Partition {
                     Poll::Ready(Ok(consumer)) => {
                         info!(topic = %self.topic, "subscribed again");
                         self.state = State::Open(Box::new(consumer));
-                        self.resubscribing_since = None;
                         self.send_pending();
                     }
                     Poll::Ready(Err(error)) => {
@@ -370,9 +360,9 @@ impl Partition {
         }
     }
 
-    /// A message this partition delivered cannot be read (it is
-    /// encrypted): it stays in the backlog, which the stall check counts as
-    /// held.
+    /// A message this partition delivered cannot be read (see
+    /// [`TransportError::is_unreadable_message`]): it stays in the backlog,
+    /// which the stall check counts as held.
     pub(super) fn delivered_unreadable(&mut self) {
         if let Some(stall) = &mut self.stall {
             stall.unreadable();
@@ -386,7 +376,10 @@ impl Partition {
 
     /// When its stream ended, while it is being subscribed again.
     pub(super) fn resubscribing_since(&self) -> Option<tokio::time::Instant> {
-        self.resubscribing_since
+        match self.state {
+            State::Resubscribing(_) => self.stream_ended_at,
+            State::Open(_) | State::Checking(_) => None,
+        }
     }
 
     /// When its stream last ended: acks sent shortly before may have been
@@ -396,10 +389,9 @@ impl Partition {
     }
 
     fn resubscribe(&mut self, after: Duration) {
-        let since = *self
-            .resubscribing_since
-            .get_or_insert_with(tokio::time::Instant::now);
-        self.stream_ended_at = Some(since);
+        if self.resubscribing_since().is_none() {
+            self.stream_ended_at = Some(tokio::time::Instant::now());
+        }
         if let Some(stall) = &mut self.stall {
             // The new consumer is given everything unacknowledged again.
             stall.rewinding();

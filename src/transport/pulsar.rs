@@ -430,17 +430,19 @@ impl PulsarConsumer {
                     .as_ref()
                     .is_some_and(|rewinds| rewinds.holds_unsettled(partition))
             };
-            match self.partitions[index].poll_next(cx, holds_unsettled) {
+            let received = match self.partitions[index].poll_next(cx, holds_unsettled) {
                 Poll::Pending => continue,
-                Poll::Ready(Err(error)) => {
-                    self.next_partition = (index + 1) % count;
-                    return Poll::Ready(Some(Err(error)));
-                }
-                Poll::Ready(Ok(received)) => {
-                    self.next_partition = (index + 1) % count;
-                    return Poll::Ready(Some(self.convert(index, received)));
-                }
+                Poll::Ready(Err(error)) => Err(error),
+                Poll::Ready(Ok(received)) => self.convert(index, received),
+            };
+            self.next_partition = (index + 1) % count;
+            if received
+                .as_ref()
+                .is_err_and(TransportError::is_unreadable_message)
+            {
+                self.partitions[index].delivered_unreadable();
             }
+            return Poll::Ready(Some(received));
         }
         Poll::Pending
     }
@@ -460,7 +462,6 @@ impl PulsarConsumer {
             id.partition = Some(partition as i32);
         }
         if !metadata.encryption_keys.is_empty() {
-            self.partitions[partition].delivered_unreadable();
             return Err(TransportError::Encrypted {
                 topic: self.partitions[partition].topic.to_string(),
                 message_id: MessageId::from_broker(id, None).to_string().into(),
