@@ -291,16 +291,9 @@ fn an_encrypted_message_is_reported_and_left_to_a_consumer_with_the_key() {
             .subscribe(&topic, handler, options)
             .await
             .unwrap();
-        let send = |index: u32, payload: &str, encrypted: bool| {
-            let mut request = serde_json::json!({
-                "service_url": common::pulsar_url(),
-                "topic": partition(index),
-                "messages": [{ "payload": payload }],
-            });
-            if encrypted {
-                request["encryption"] = keys.clone();
-            }
-            common::run_interop("produce.py", request)
+        let send = |index: u32, payload: &'static str, encrypted: bool| {
+            let encryption = encrypted.then(|| keys.clone());
+            produce_one_with_python(partition(index), payload, encryption)
         };
         send(0, "before", false).await;
         send(0, "secret", true).await;
@@ -346,13 +339,7 @@ fn an_encrypted_message_on_an_idle_failover_subscription_does_not_stop_the_dispa
             )
             .await
             .unwrap();
-        let mut request = serde_json::json!({
-            "service_url": common::pulsar_url(),
-            "topic": topic,
-            "messages": [{ "payload": "secret" }],
-        });
-        request["encryption"] = keys.clone();
-        common::run_interop("produce.py", request).await;
+        produce_one_with_python(topic.clone(), "secret", Some(keys.clone())).await;
         let run = start(&dispatcher);
         wait_until("the encrypted message", Duration::from_secs(30), || {
             dispatcher.stats().total().receive_errors > 0
@@ -371,6 +358,22 @@ fn an_encrypted_message_on_an_idle_failover_subscription_does_not_stop_the_dispa
         close_and_join(&dispatcher, run).await;
         assert_eq!(left_for_python(&topic, &subscription, keys).await, "secret");
     });
+}
+
+/// Publishes one message to `topic` with the Python client, encrypted with
+/// `encryption` (a key pair, see [`test_key_pair`]) if given.
+async fn produce_one_with_python(
+    topic: String,
+    payload: &str,
+    encryption: Option<serde_json::Value>,
+) {
+    let request = serde_json::json!({
+        "service_url": common::pulsar_url(),
+        "topic": topic,
+        "encryption": encryption,
+        "messages": [{ "payload": payload }],
+    });
+    common::run_interop("produce.py", request).await;
 }
 
 /// The payload of the one message the dispatcher left on `subscription`,
