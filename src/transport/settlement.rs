@@ -254,8 +254,9 @@ impl RecentAcks {
     /// connection; if so, counts it and returns the entries whose acks to
     /// send again: every one that may have been lost the first time after
     /// a while, otherwise just this one. `stream_ended` tells when the
-    /// stream of an entry's partition last ended. An entry acked before
-    /// that is forgotten: a replay.
+    /// stream of an entry's partition last ended. An entry acked longer
+    /// than [`LOST_ACK_WINDOW`] before its connection was lost is forgotten
+    /// instead, and `None` returned: a replay.
     pub(super) fn redelivered(
         &mut self,
         entry: EntryKey,
