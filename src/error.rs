@@ -95,17 +95,20 @@ pub enum TransportError {
 
 impl TransportError {
     /// Whether the error is about one message the consumer could not read
-    /// (encrypted, compressed in a way the `pulsar` crate cannot undo, or
-    /// without a payload), not about the consumer: it goes on receiving
-    /// the messages after it, and the message stays unacknowledged.
+    /// (encrypted, compressed in a way the `pulsar` crate cannot undo, a
+    /// batch it cannot decode, or without a payload), not about the
+    /// consumer: it goes on receiving the messages after it, and the
+    /// message stays unacknowledged.
     pub fn is_unreadable_message(&self) -> bool {
-        use pulsar::error::ConsumerError;
+        use pulsar::error::{ConnectionError, ConsumerError};
         matches!(
             self,
             TransportError::Encrypted { .. }
-                | TransportError::Pulsar(pulsar::Error::Consumer(
-                    ConsumerError::Io(_) | ConsumerError::MissingPayload(_)
-                ))
+                | TransportError::Pulsar(
+                    pulsar::Error::Consumer(
+                        ConsumerError::Io(_) | ConsumerError::MissingPayload(_)
+                    ) | pulsar::Error::Connection(ConnectionError::Decoding(_))
+                )
         )
     }
 }

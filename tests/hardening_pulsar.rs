@@ -1,6 +1,7 @@
 //! Failure handling against a real Apache Pulsar broker: a subscription
 //! another consumer holds, a topic the broker refuses to publish to, a
-//! handler that never returns, and a topic terminated while consumed.
+//! handler that never returns, and a topic terminated, or deleted and
+//! created again, while consumed.
 
 mod common;
 
@@ -10,7 +11,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    admin_request, base_topic, client, close_and_join, fresh_topic, keyed_messages, payload_number,
+    admin_request, base_topic, client, close_and_join, consumers_per_partition,
+    create_partitioned_topic, delete_topic, fresh_topic, keyed_messages, payload_number,
     pulsar_url, run_local, start, unique_name, unique_topic, wait_for_empty_backlog,
     wait_for_stats, wait_until, TopicKind,
 };
@@ -247,3 +249,117 @@ fn terminate(topic: &str, kind: TopicKind) {
         "POST {path}: HTTP {status}: {body}"
     );
 }
+
+/// An operator deletes a topic while it is consumed (`pulsar-admin topics
+/// delete --force`) and creates it again: the broker closes the consumers,
+/// which cannot subscribe again while the topic is gone (the broker creates
+/// a plain topic again on a subscribe, but not the partitions of a deleted
+/// partitioned one). Once it is back, the dispatcher is subscribed again,
+/// healthy, and handles what is published to it; plain and partitioned
+/// topics, every subscription type.
+fn a_deleted_topic_is_subscribed_again_once_it_is_back(kind: TopicKind) {
+    run_local(Duration::from_secs(180), async {
+        for subscription_type in [
+            SubType::Exclusive,
+            SubType::Shared,
+            SubType::Failover,
+            SubType::KeyShared,
+        ] {
+            let topic = fresh_topic("deleted", kind);
+            let subscription = unique_name("sub");
+            let dispatcher = common::dispatcher().await;
+            let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
+            let handler = {
+                let handled = handled.clone();
+                async move |message: &Message| {
+                    handled.borrow_mut().push(payload_number(message));
+                    Ok::<_, Infallible>(())
+                }
+            };
+            let options = SubscribeOptions::new()
+                .subscription(&subscription)
+                .subscription_type(subscription_type.clone());
+            dispatcher
+                .subscribe(&topic, handler, options)
+                .await
+                .unwrap();
+            let run = start(&dispatcher);
+            let case = format!("{kind:?}, {subscription_type:?}");
+            common::publish(&topic, keyed_messages(5, 3)).await;
+            wait_until(
+                &format!("{case}: the first messages"),
+                Duration::from_secs(20),
+                || handled.borrow().len() == 5,
+            )
+            .await;
+            {
+                let topic = topic.clone();
+                tokio::task::spawn_blocking(move || {
+                    delete_topic(&topic, kind);
+                    if let TopicKind::Partitioned(partitions) = kind {
+                        create_partitioned_topic(&topic, partitions);
+                    }
+                })
+                .await
+                .unwrap();
+            }
+            // A subscription created again starts at the end of the topic
+            // (the default initial position): what is published before the
+            // consumers are back is not theirs to receive.
+            let every_partition_subscribed = || {
+                let (topic, subscription) = (topic.clone(), subscription.clone());
+                async move {
+                    tokio::task::spawn_blocking(move || {
+                        consumers_per_partition(&topic, kind, &subscription)
+                    })
+                    .await
+                    .unwrap()
+                    .iter()
+                    .all(|&consumers| consumers > 0)
+                }
+            };
+            let begun = std::time::Instant::now();
+            while !every_partition_subscribed().await {
+                assert!(
+                    begun.elapsed() < Duration::from_secs(30),
+                    "{case}: not subscribed again after the topic came back"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            common::publish(
+                &topic,
+                keyed_messages(5, 3).map(|mut message| {
+                    let number = 5 + String::from_utf8_lossy(&message.payload)
+                        .parse::<usize>()
+                        .unwrap();
+                    message.payload = number.to_string().into_bytes();
+                    message
+                }),
+            )
+            .await;
+            wait_until(
+                &format!("{case}: the messages published after"),
+                Duration::from_secs(20),
+                || handled.borrow().len() == 10,
+            )
+            .await;
+            wait_until(
+                &format!("{case}: a healthy dispatcher"),
+                Duration::from_secs(20),
+                || dispatcher.health().is_ready(),
+            )
+            .await;
+            wait_for_empty_backlog(&topic, &subscription).await;
+            close_and_join(&dispatcher, run).await;
+            let mut numbers = handled.borrow().clone();
+            numbers.sort_unstable();
+            assert_eq!(
+                numbers,
+                (0..10).collect::<Vec<_>>(),
+                "{case}: each handled once"
+            );
+        }
+    });
+}
+
+on_plain_and_partitioned_topics!(a_deleted_topic_is_subscribed_again_once_it_is_back);

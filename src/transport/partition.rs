@@ -360,12 +360,29 @@ impl Partition {
         }
     }
 
-    /// A message this partition delivered cannot be read (see
-    /// [`TransportError::is_unreadable_message`]): it stays in the backlog,
-    /// which the stall check counts as held.
-    pub(super) fn delivered_unreadable(&mut self) {
-        if let Some(stall) = &mut self.stall {
-            stall.unreadable();
+    /// A receive of this partition failed with `error`.
+    ///
+    /// While the partition is being subscribed again, each failed attempt
+    /// has scheduled the next already. From an open consumer, a message it
+    /// cannot read (see [`TransportError::is_unreadable_message`]) stays in
+    /// the backlog, which the stall check counts as held. Any other error
+    /// comes from the crate's engine, which sends one when it could not
+    /// subscribe again after the broker closed the consumer (the topic
+    /// deleted, say) and delivers nothing after it, or when it failed to
+    /// dead-letter a message it then holds unacknowledged: either way the
+    /// consumer is replaced, as when its stream ends, and the new one is
+    /// given every unacknowledged message.
+    pub(super) fn receive_failed(&mut self, error: &TransportError) {
+        if !matches!(self.state, State::Open(_)) {
+            return;
+        }
+        if error.is_unreadable_message() {
+            if let Some(stall) = &mut self.stall {
+                stall.unreadable();
+            }
+        } else {
+            warn!(topic = %self.topic, %error, "the consumer failed and may deliver nothing more; subscribing again");
+            self.resubscribe(RESUBSCRIBE_RETRY);
         }
     }
 

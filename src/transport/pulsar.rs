@@ -436,11 +436,8 @@ impl PulsarConsumer {
                 Poll::Ready(Ok(received)) => self.convert(index, received),
             };
             self.next_partition = (index + 1) % count;
-            if received
-                .as_ref()
-                .is_err_and(TransportError::is_unreadable_message)
-            {
-                self.partitions[index].delivered_unreadable();
+            if let Err(error) = &received {
+                self.partitions[index].receive_failed(error);
             }
             return Poll::Ready(Some(received));
         }

@@ -102,6 +102,7 @@ pub fn admin_request(
             .get(&url)
             .header("Accept", "application/json")
             .call()?,
+        ("DELETE", _) => agent.delete(&url).call()?,
         ("PUT" | "POST", body) => {
             let request = match method {
                 "PUT" => agent.put(&url),
@@ -184,17 +185,58 @@ pub fn fresh_topic(prefix: &str, kind: TopicKind) -> String {
 /// and are given every message not yet acknowledged again. Blocks; call it
 /// from `spawn_blocking` inside a runtime.
 pub fn unload(topic: &str, kind: TopicKind) {
-    let names: Vec<String> = match kind {
-        TopicKind::Plain => vec![topic.to_owned()],
-        TopicKind::Partitioned(partitions) => (0..partitions)
-            .map(|index| format!("{topic}-partition-{index}"))
-            .collect(),
-    };
-    for name in names {
+    for name in partition_names(topic, kind) {
         let path = format!("/admin/v2/persistent/{}/unload", topic_path(&name));
         let (status, body) = admin_request("PUT", &path, None)
             .unwrap_or_else(|e| panic!("PUT {}{path}: {e}", web_url()));
         assert_eq!(status, 204, "unloading {name}: {body}");
+    }
+}
+
+/// Deletes `topic` (a partitioned one with its partitions) through the
+/// admin API with `force`, as an operator does while it is consumed: the
+/// broker closes its consumers and producers first. Blocks; call it from
+/// `spawn_blocking` inside a runtime.
+pub fn delete_topic(topic: &str, kind: TopicKind) {
+    let which = match kind {
+        TopicKind::Plain => "",
+        TopicKind::Partitioned(_) => "/partitions",
+    };
+    let path = format!(
+        "/admin/v2/persistent/{}{which}?force=true",
+        topic_path(topic)
+    );
+    let (status, body) = admin_request("DELETE", &path, None)
+        .unwrap_or_else(|e| panic!("DELETE {}{path}: {e}", web_url()));
+    assert_eq!(status, 204, "deleting {topic}: {body}");
+}
+
+/// How many consumers `subscription` has on each partition of `topic` (on
+/// the topic itself if it is plain), as the broker reports them; 0 where
+/// the topic or the subscription does not exist. Blocks.
+pub fn consumers_per_partition(topic: &str, kind: TopicKind, subscription: &str) -> Vec<usize> {
+    partition_names(topic, kind)
+        .iter()
+        .map(|name| {
+            let path = format!("/admin/v2/persistent/{}/stats", topic_path(name));
+            let stats: serde_json::Value = match http_get(&path) {
+                Ok((200, body)) => serde_json::from_str(&body).unwrap_or_default(),
+                _ => serde_json::Value::Null,
+            };
+            stats["subscriptions"][subscription]["consumers"]
+                .as_array()
+                .map_or(0, Vec::len)
+        })
+        .collect()
+}
+
+/// The topics that hold `topic`'s messages: its partitions, or itself.
+fn partition_names(topic: &str, kind: TopicKind) -> Vec<String> {
+    match kind {
+        TopicKind::Plain => vec![topic.to_owned()],
+        TopicKind::Partitioned(partitions) => (0..partitions)
+            .map(|index| format!("{topic}-partition-{index}"))
+            .collect(),
     }
 }
 
