@@ -44,7 +44,9 @@ use super::partition::{
     close_partitions, subscribe_partitions, AddedPartitions, Partition, Subscriber,
 };
 use super::rewind::RewindCheck;
-use super::settlement::{entry_of, BatchSettlements, EntryKey, RecentAcks, SettledBefore};
+use super::settlement::{
+    entry_of, BatchSettlements, EntryKey, RecentAcks, Redelivery, SettledBefore,
+};
 use super::{
     Consumer, ConsumerSpec, OutgoingMessage, Producer, Repairs, Transport, TransportError,
 };
@@ -389,12 +391,16 @@ impl PulsarConsumer {
             let index = usize::try_from(partition).unwrap_or(0);
             partitions.get(index).and_then(Partition::stream_ended_at)
         };
-        let Some(resend) = self
+        let resend = match self
             .recent_acks
             .redelivered(entry_of(id), Instant::now(), stream_ended)
-        else {
-            tracing::debug!(message_id = %id, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");
-            return false;
+        {
+            Redelivery::NotAcked => return false,
+            Redelivery::Replay => {
+                tracing::debug!(message_id = %id, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");
+                return false;
+            }
+            Redelivery::AckLost(resend) => resend,
         };
         tracing::info!(message_id = %id, resending = resend.len(), "the broker delivered an acked message again (its ack was lost with a connection); acking again");
         for entry in resend {

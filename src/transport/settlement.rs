@@ -250,20 +250,19 @@ impl RecentAcks {
         self.entries.contains_key(&entry)
     }
 
-    /// Whether `entry`, delivered again at `now`, is an ack lost with a
-    /// connection; if so, counts it and returns the entries whose acks to
-    /// send again: every one that may have been lost the first time after
-    /// a while, otherwise just this one. `stream_ended` tells when the
-    /// stream of an entry's partition last ended. An entry acked longer
-    /// than [`LOST_ACK_WINDOW`] before its connection was lost is forgotten
-    /// instead, and `None` returned: a replay.
+    /// What the delivery of `entry` at `now` is (see [`Redelivery`]).
+    /// `stream_ended` tells when the stream of an entry's partition last
+    /// ended. A lost ack is counted; a replay is forgotten, so that its new
+    /// settlement counts.
     pub(super) fn redelivered(
         &mut self,
         entry: EntryKey,
         now: Instant,
         stream_ended: impl Fn(EntryKey) -> Option<Instant>,
-    ) -> Option<Vec<EntryKey>> {
-        let acked_at = *self.entries.get(&entry)?;
+    ) -> Redelivery {
+        let Some(&acked_at) = self.entries.get(&entry) else {
+            return Redelivery::NotAcked;
+        };
         let lost = |entry: EntryKey, acked_at: Instant| {
             let lost_at = stream_ended(entry)
                 .filter(|&ended| ended >= acked_at)
@@ -272,20 +271,20 @@ impl RecentAcks {
         };
         if !lost(entry, acked_at) {
             self.entries.remove(&entry);
-            return None;
+            return Redelivery::Replay;
         }
         self.recognised += 1;
         let bulk_due = self
             .last_bulk_resend
             .is_none_or(|last| now.duration_since(last) >= BULK_RESEND_INTERVAL);
         if !bulk_due {
-            return Some(vec![entry]);
+            return Redelivery::AckLost(vec![entry]);
         }
         self.last_bulk_resend = Some(now);
         let current = |&(entry, recorded): &(EntryKey, Instant)| {
             self.entries.get(&entry) == Some(&recorded) && lost(entry, recorded)
         };
-        Some(
+        Redelivery::AckLost(
             self.in_order
                 .iter()
                 .filter(|element| current(element))
@@ -293,6 +292,22 @@ impl RecentAcks {
                 .collect(),
         )
     }
+}
+
+/// What a delivered entry is to [`RecentAcks`].
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Redelivery {
+    /// Not acked recently: a first delivery, or one after a nack or a
+    /// failed handling.
+    NotAcked,
+    /// Acked longer than [`LOST_ACK_WINDOW`] before its connection was
+    /// lost: the subscription's cursor was reset, or the consumer sought
+    /// back, to replay it. It is to be handled again.
+    Replay,
+    /// Acked, and the ack perhaps lost with a connection: the entries whose
+    /// acks to send again, every one that may have been lost the first time
+    /// after a while, otherwise just this one.
+    AckLost(Vec<EntryKey>),
 }
 
 #[cfg(test)]
@@ -464,16 +479,27 @@ mod tests {
             acks.record((0, 9, entry), now);
         }
         let mut redelivered = |entry, at| acks.redelivered(entry, at, no_stream_end);
-        assert_eq!(redelivered((0, 9, 1), now), None, "evicted at capacity");
-        assert_eq!(redelivered((1, 9, 4), now), None, "another partition");
+        assert_eq!(
+            redelivered((0, 9, 1), now),
+            Redelivery::NotAcked,
+            "evicted at capacity"
+        );
+        assert_eq!(
+            redelivered((1, 9, 4), now),
+            Redelivery::NotAcked,
+            "another partition"
+        );
         assert_eq!(
             redelivered((0, 9, 3), now),
-            Some(vec![(0, 9, 2), (0, 9, 3), (0, 9, 4)])
+            Redelivery::AckLost(vec![(0, 9, 2), (0, 9, 3), (0, 9, 4)])
         );
-        assert_eq!(redelivered((0, 9, 4), now), Some(vec![(0, 9, 4)]));
         assert_eq!(
-            redelivered((0, 9, 2), now + BULK_RESEND_INTERVAL).map(|all| all.len()),
-            Some(3),
+            redelivered((0, 9, 4), now),
+            Redelivery::AckLost(vec![(0, 9, 4)])
+        );
+        assert_eq!(
+            redelivered((0, 9, 2), now + BULK_RESEND_INTERVAL),
+            Redelivery::AckLost(vec![(0, 9, 2), (0, 9, 3), (0, 9, 4)]),
             "a later reconnection resends all again"
         );
         assert_eq!(acks.recognised, 3);
@@ -491,15 +517,14 @@ mod tests {
             acks.record((1, 9, entry), now);
         }
         assert_eq!(
-            acks.redelivered((0, 9, 1), now, no_stream_end)
-                .map(|all| all.len()),
-            Some(4),
+            acks.redelivered((0, 9, 1), now, no_stream_end),
+            Redelivery::AckLost(vec![(0, 9, 1), (0, 9, 2), (1, 9, 3), (1, 9, 4)]),
             "nothing evicted below the new capacity"
         );
         acks.record((1, 9, 5), now);
         assert_eq!(
             acks.redelivered((0, 9, 1), now, no_stream_end),
-            None,
+            Redelivery::NotAcked,
             "the oldest goes"
         );
     }
@@ -513,13 +538,18 @@ mod tests {
         let reset = begun + LOST_ACK_WINDOW + Duration::from_secs(1);
         assert_eq!(
             acks.redelivered((0, 9, 1), reset, no_stream_end),
-            None,
+            Redelivery::Replay,
             "acked 11 s before it came back"
         );
         assert!(!acks.contains((0, 9, 1)), "forgotten: its new ack counts");
         assert_eq!(
+            acks.redelivered((0, 9, 1), reset, no_stream_end),
+            Redelivery::NotAcked,
+            "a second copy of the replay is handled as well"
+        );
+        assert_eq!(
             acks.redelivered((0, 9, 2), reset, no_stream_end),
-            Some(vec![(0, 9, 2)]),
+            Redelivery::AckLost(vec![(0, 9, 2)]),
             "acked 6 s before: perhaps lost, and the only one resent"
         );
         assert_eq!(acks.recognised, 1);
@@ -527,7 +557,7 @@ mod tests {
         acks.record((0, 9, 1), reset);
         assert_eq!(
             acks.redelivered((0, 9, 1), reset, no_stream_end),
-            Some(vec![(0, 9, 1)])
+            Redelivery::AckLost(vec![(0, 9, 1)])
         );
     }
 
@@ -542,20 +572,20 @@ mod tests {
         let partition_0_ended = |(partition, ..): EntryKey| (partition == 0).then_some(ended);
         assert_eq!(
             acks.redelivered((0, 9, 1), back, partition_0_ended),
-            Some(vec![(0, 9, 1)]),
+            Redelivery::AckLost(vec![(0, 9, 1)]),
             "its stream ended 2 s after the ack; the bulk resend leaves out \
              the other partition's, which is older than the window"
         );
         assert_eq!(
             acks.redelivered((1, 9, 1), back, partition_0_ended),
-            None,
+            Redelivery::Replay,
             "the other partition's stream never ended"
         );
         // A stream end before the ack says nothing about it.
         acks.record((0, 9, 2), back);
         assert_eq!(
             acks.redelivered((0, 9, 2), back + LOST_ACK_WINDOW * 2, partition_0_ended),
-            None
+            Redelivery::Replay
         );
     }
 
@@ -569,7 +599,7 @@ mod tests {
         assert!(acks.contains((0, 9, 1)), "its stale first record went");
         assert_eq!(
             acks.redelivered((0, 9, 2), now + Duration::from_secs(1), no_stream_end),
-            Some(vec![(0, 9, 1), (0, 9, 2)]),
+            Redelivery::AckLost(vec![(0, 9, 1), (0, 9, 2)]),
             "each entry resent once"
         );
     }
