@@ -278,7 +278,7 @@ fn a_deleted_topic_is_subscribed_again_once_it_is_back(kind: TopicKind) {
             };
             let options = SubscribeOptions::new()
                 .subscription(&subscription)
-                .subscription_type(subscription_type.clone());
+                .subscription_type(subscription_type);
             dispatcher
                 .subscribe(&topic, handler, options)
                 .await
