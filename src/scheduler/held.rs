@@ -122,20 +122,6 @@ impl<M> Held<M> {
         }
     }
 
-    /// Stores a message refilled within a pick (the pick left room);
-    /// returns whether the refill is done: a message held may run (a slot
-    /// is full), or a key buffer is full.
-    #[inline(always)]
-    pub(super) fn store_refilled(&mut self, waiting: Waiting<M>) -> bool {
-        match self {
-            Held::Slot(_) => {
-                self.insert(waiting);
-                true
-            }
-            Held::Keyed(keyed) => keyed.store_refilled(waiting),
-        }
-    }
-
     /// Takes the next message to dispatch; its key (if any) is then in
     /// flight until released.
     pub(super) fn take_next(&mut self) -> Option<Waiting<M>> {
@@ -164,8 +150,11 @@ impl<M> Held<M> {
 }
 
 impl<M> Keyed<M> {
+    /// Stores a message refilled within a pick (the pick left room);
+    /// returns whether the refill is done: a message held may run, or the
+    /// buffer is full.
     #[inline(always)]
-    fn store_refilled(&mut self, waiting: Waiting<M>) -> bool {
+    pub(super) fn store_refilled(&mut self, waiting: Waiting<M>) -> bool {
         self.insert(waiting);
         !self.free.is_empty() || self.free.len() + self.parked.len() >= self.capacity
     }

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use slab::Slab;
 
-use self::held::{Held, Slotted, Waiting};
+use self::held::{Held, Keyed, Slotted, Waiting};
 use self::policy::Reservations;
 pub use self::policy::{Aging, SchedulingPolicy, Weights};
 
@@ -579,7 +579,7 @@ impl<M> Scheduler<M> {
                 });
                 true
             }
-            held => Self::store_in_key_buffer(held, refilled, since),
+            Held::Keyed(keyed) => Self::store_in_key_buffer(keyed, refilled, since),
         }
     }
 
@@ -589,12 +589,12 @@ impl<M> Scheduler<M> {
     /// (callgrind), though it never runs there.
     #[inline(never)]
     fn store_in_key_buffer<R: Refilled<M>>(
-        held: &mut Held<M>,
+        keyed: &mut Keyed<M>,
         refilled: R,
         since: Option<Instant>,
     ) -> bool {
         let order_key = refilled.refill_key();
-        held.store_refilled(Waiting {
+        keyed.store_refilled(Waiting {
             message: refilled.into_refilled(),
             key: order_key,
             since,
