@@ -455,7 +455,9 @@ impl Partition {
 
     /// Closes the consumer once every ack and nack sent to it has been
     /// handed to its connection; a partition being subscribed again just
-    /// stops trying.
+    /// stops trying, and the settlements kept for its new consumer are
+    /// dropped (the broker delivers those messages again: duplicates, not
+    /// losses).
     pub(super) async fn close(&mut self) -> Result<(), TransportError> {
         if let State::Checking(checking) = &mut self.state {
             // Bounded by the check's own limit.
