@@ -495,8 +495,10 @@ impl<T: Transport> Engine<T> {
             // that no drop of it is left after a branch that did not look:
             // that drop tested its discriminant again, which costs with the
             // error's layout (5 instructions per message more once
-            // `TransportError::Encrypted` was added; none now).
-            if let Some(received) = not_stored {
+            // `TransportError::Encrypted` was added). Taken, not moved: a
+            // move in one arm left a drop flag tested at the loop's end
+            // (7 instructions per message).
+            if let Some(received) = not_stored.take() {
                 self.after_receive(&subscription, received);
             }
             let mut job = Job::new(self.clone(), subscription, message, permit);
@@ -683,8 +685,16 @@ impl<T: Transport> Engine<T> {
         subscription.nack_at_once(message.get().id());
         self.recycle(message);
         if subscription.is_removing() {
-            self.drained.notify_waiters();
+            self.notify_drained();
         }
+    }
+
+    /// A subscription being removed released a message. Cold: the drop of
+    /// every job checks for it.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn notify_drained(&self) {
+        self.drained.notify_waiters();
     }
 
     /// Takes an emptied message box back for the next message.
@@ -737,8 +747,16 @@ impl<T: Transport> Engine<T> {
     pub(crate) fn release_permit(&self, permit: Permit, wake: bool) {
         self.scheduler.borrow_mut().release(permit);
         if wake || self.phase() != Phase::Running {
-            self.woken.wake_engine();
+            self.wake_for_permit();
         }
+    }
+
+    /// [`release_permit`](Self::release_permit)'s rare wake-up, out of
+    /// line: the drop of every job carried its code.
+    #[cold]
+    #[inline(never)]
+    fn wake_for_permit(&self) {
+        self.woken.wake_engine();
     }
 
     /// Turns a handler's outcome into a verdict: publishes the reply, retry

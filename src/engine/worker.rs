@@ -20,6 +20,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -138,10 +139,13 @@ where
                 // The common configuration, run here rather than in `run`:
                 // its future nested in this one cost a state of its own and
                 // a drop per message. The handler's future is built where
-                // it is awaited (see `run`).
-                let handled = AssertUnwindSafe(job.handler::<F>()(job.message()))
-                    .catch_unwind()
-                    .await;
+                // it is awaited (see `run`), and polled under its panic
+                // guard here, not through `CatchUnwind`, whose poll stayed
+                // a call of its own.
+                let handled = {
+                    let mut handler = std::pin::pin!(job.handler::<F>()(job.message()));
+                    std::future::poll_fn(|cx| poll_caught(handler.as_mut(), cx)).await
+                };
                 if let Some(publish) = self.conclude(job, Some(handled), None, &engine) {
                     self.publish(job, publish, None, &engine, &inbox).await;
                 }
@@ -346,6 +350,18 @@ where
     }
 }
 
+/// Polls `future` once under a panic guard, as `CatchUnwind` does.
+#[inline(always)]
+fn poll_caught<F: Future>(
+    future: Pin<&mut F>,
+    cx: &mut Context<'_>,
+) -> Poll<std::thread::Result<F::Output>> {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| future.poll(cx))) {
+        Ok(polled) => polled.map(Ok),
+        Err(panic) => Poll::Ready(Err(panic)),
+    }
+}
+
 /// Routing or settling a message panicked: a bug of the dispatcher's, which
 /// stops it.
 #[inline(never)]
@@ -453,8 +469,10 @@ impl<T: Transport, W: Future<Output = ()>> Future for WorkerTask<T, W> {
 pub(crate) struct Job<T: Transport> {
     engine: Rc<Engine<T>>,
     subscription: Rc<Subscription<T>>,
-    /// Taken back into the engine's spares when the job ends.
-    message: Option<MessageBox>,
+    /// Taken back into the engine's spares when the job ends (by `drop`,
+    /// the only place that takes it; not an `Option`, whose check every
+    /// read of the message paid).
+    message: ManuallyDrop<MessageBox>,
     /// Given back to the scheduler when the job ends.
     permit: Option<Permit>,
     /// Handed to a worker that has not started it yet.
@@ -477,7 +495,7 @@ impl<T: Transport> Job<T> {
         Job {
             engine,
             subscription,
-            message: Some(message),
+            message: ManuallyDrop::new(message),
             permit: Some(permit),
             handed_over: false,
             picked_behind_better,
@@ -577,9 +595,7 @@ impl<T: Transport> Job<T> {
     }
 
     fn message_box(&self) -> &MessageBox {
-        self.message
-            .as_ref()
-            .expect("a job holds its message until it ends")
+        &self.message
     }
 
     /// When the message arrived in its slot, if timings are on.
@@ -629,6 +645,16 @@ impl<T: Transport> Job<T> {
         self.finished = true;
     }
 
+    /// A job dropped before it was settled (its worker cancelled): the
+    /// message is nacked. Cold and out of line, so that the drop of every
+    /// settled job carries none of this.
+    #[cold]
+    #[inline(never)]
+    fn cancelled(&self) {
+        self.engine.note_cancelled();
+        self.settle(Verdict::Nack);
+    }
+
     #[inline(always)]
     fn settle(&self, verdict: Verdict) {
         let id = self.message().id();
@@ -650,19 +676,18 @@ impl<T: Transport> Drop for Job<T> {
     fn drop(&mut self) {
         self.start();
         if !self.finished {
-            self.engine.note_cancelled();
-            self.settle(Verdict::Nack);
+            self.cancelled();
         }
-        if let Some(message) = self.message.take() {
-            self.engine.recycle(message);
-        }
+        // SAFETY: `drop` runs once, and nothing reads `message` after it.
+        let message = unsafe { ManuallyDrop::take(&mut self.message) };
+        self.engine.recycle(message);
         let permit = self
             .permit
             .take()
             .expect("a job holds its permit until it ends");
         self.engine.release_permit(permit, !self.finished);
         if self.subscription.is_removing() {
-            self.engine.drained.notify_waiters();
+            self.engine.notify_drained();
         }
     }
 }
