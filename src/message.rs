@@ -192,6 +192,27 @@ impl Message {
         self.metadata = (!metadata.is_empty()).then(|| Rc::new(metadata));
     }
 
+    /// Empties `slot` (a message box being taken back), dropping the
+    /// message's parts one by one, inline: the drop of a whole
+    /// `Option<Message>` stayed a call of its own, about 10 instructions
+    /// per message more.
+    #[inline(always)]
+    pub(crate) fn clear(slot: &mut Option<Message>) {
+        if let Some(message) = slot.take() {
+            let Message {
+                topic,
+                id: MessageId { rest, .. },
+                payload,
+                metadata,
+                ..
+            } = message;
+            drop(topic);
+            drop(rest);
+            drop(payload);
+            drop(metadata);
+        }
+    }
+
     pub(crate) fn metadata(&self) -> &Metadata {
         self.metadata.as_deref().unwrap_or(&NO_METADATA)
     }

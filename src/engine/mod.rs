@@ -700,7 +700,7 @@ impl<T: Transport> Engine<T> {
     /// Takes an emptied message box back for the next message.
     #[inline(always)]
     pub(crate) fn recycle(&self, mut message: MessageBox) {
-        message.0.message = None;
+        Message::clear(&mut message.0.message);
         self.keep_spare(message);
     }
 
