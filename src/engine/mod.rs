@@ -741,12 +741,12 @@ impl<T: Transport> Engine<T> {
     }
 
     /// Returns a permit. The worker whose job ended dispatches next itself;
-    /// otherwise (`wake`), and whenever shutdown waits for the last permit,
-    /// the engine task is woken.
+    /// whenever shutdown waits for the last permit, the engine task is
+    /// woken. (A job that did not end in its worker wakes it itself.)
     #[inline(always)]
-    pub(crate) fn release_permit(&self, permit: Permit, wake: bool) {
+    pub(crate) fn release_permit(&self, permit: Permit) {
         self.scheduler.borrow_mut().release(permit);
-        if wake || self.phase() != Phase::Running {
+        if self.phase() != Phase::Running {
             self.wake_for_permit();
         }
     }
@@ -755,7 +755,7 @@ impl<T: Transport> Engine<T> {
     /// line: the drop of every job carried its code.
     #[cold]
     #[inline(never)]
-    fn wake_for_permit(&self) {
+    pub(crate) fn wake_for_permit(&self) {
         self.woken.wake_engine();
     }
 
