@@ -231,13 +231,21 @@ where
         engine: &Engine<T>,
     ) -> Option<Box<Publish>> {
         let entered = span.map(tracing::Span::enter);
+        // The common outcome, a success without a reply, is told apart
+        // before any `Outcome` is built: one built and matched stayed in
+        // memory, its drop checked on every message (about 8 instructions
+        // per message). `None` is that success.
         let outcome = match handled {
-            Some(Ok(result)) => Outcome::of(result),
-            Some(Err(panic)) => Outcome::panicked(panic.as_ref()),
+            Some(Ok(Ok(reply))) => match reply.into_reply() {
+                None => None,
+                reply => Some(Outcome::Succeeded(reply)),
+            },
+            Some(Ok(result)) => Some(Outcome::of(result)),
+            Some(Err(panic)) => Some(Outcome::panicked(panic.as_ref())),
             None => {
                 let limit = job.subscription.processing_timeout.unwrap_or_default();
                 warn!(topic = %job.message().topic(), message_id = %job.message().id(), deadline = ?limit, "handler still running at its processing deadline; dropped");
-                Outcome::TimedOut(Deadline(limit))
+                Some(Outcome::TimedOut(Deadline(limit)))
             }
         };
         // Routing and settling are the dispatcher's own code; a panic there
@@ -246,10 +254,8 @@ where
         // settle without awaiting; only a publish is a future. The common
         // one, a success without a reply, hands the guard the job alone.
         let concluded = match outcome {
-            Outcome::Succeeded(None) => {
-                std::panic::catch_unwind(AssertUnwindSafe(|| job.succeed())).map(|()| None)
-            }
-            outcome => std::panic::catch_unwind(AssertUnwindSafe(|| job.conclude(outcome))),
+            None => std::panic::catch_unwind(AssertUnwindSafe(|| job.succeed())).map(|()| None),
+            Some(outcome) => std::panic::catch_unwind(AssertUnwindSafe(|| job.conclude(outcome))),
         };
         drop(entered);
         concluded.unwrap_or_else(|panic| {
