@@ -127,12 +127,14 @@ where
         // dispatch writes the next one here, so that a job is not copied
         // on its way from the dispatch to the run.
         let mut current = Some(first);
-        let mut in_this_poll = 0;
+        // Counted down, not up: a decrement tells zero by itself, without
+        // a comparison (about 3 instructions per message).
+        let mut left_in_poll = JOBS_PER_POLL;
         while let Some(job) = current.as_mut() {
             if job.start() {
                 // Better messages handed to other workers before this one
                 // was picked start first.
-                in_this_poll = 0;
+                left_in_poll = JOBS_PER_POLL;
                 tokio::task::yield_now().await;
             }
             if job.runs_plain() {
@@ -153,9 +155,9 @@ where
                 self.run(job, &engine, &inbox).await;
             }
             current = None;
-            in_this_poll += 1;
-            if in_this_poll >= JOBS_PER_POLL {
-                in_this_poll = 0;
+            left_in_poll -= 1;
+            if left_in_poll == 0 {
+                left_in_poll = JOBS_PER_POLL;
                 engine.step_aside().await;
             }
             engine.dispatch(self.id(), &mut inbox.queue.borrow_mut(), &mut current);
