@@ -609,20 +609,15 @@ impl<T: Transport> Engine<T> {
             return None;
         }
         let mut spare = self.spare();
-        match subscription.receive(&mut spare) {
-            Received::Stored => {
-                spare.0.since = self.timings.then(Instant::now);
-                Some(Refill(Delivery {
-                    subscription: subscription.clone(),
-                    message: spare,
-                }))
-            }
-            received => {
-                self.keep_spare(spare);
-                *not_stored = Some(received);
-                None
-            }
+        if !subscription.receive_or(&mut spare, |received| *not_stored = Some(received)) {
+            self.keep_spare(spare);
+            return None;
         }
+        spare.0.since = self.timings.then(Instant::now);
+        Some(Refill(Delivery {
+            subscription: subscription.clone(),
+            message: spare,
+        }))
     }
 
     /// What a receive that stored nothing calls for.
@@ -663,12 +658,23 @@ impl<T: Transport> Engine<T> {
     /// fewer than the messages ever held at once exist.
     #[inline(always)]
     fn spare(&self) -> MessageBox {
-        self.last_spare.take().unwrap_or_else(|| {
-            self.spares
-                .borrow_mut()
-                .pop()
-                .unwrap_or_else(MessageBox::empty)
-        })
+        self.last_spare
+            .take()
+            .unwrap_or_else(|| self.spare_from_list())
+    }
+
+    /// [`spare`](Self::spare) when the last box kept is taken: out of line,
+    /// as it is rare once messages flow (a job's end keeps its box for the
+    /// refill that follows); inline, the dispatch set up this path's
+    /// constants on every message (out of line, and with the flag of
+    /// `receive_or`: 6 instructions per message fewer, callgrind).
+    #[cold]
+    #[inline(never)]
+    fn spare_from_list(&self) -> MessageBox {
+        self.spares
+            .borrow_mut()
+            .pop()
+            .unwrap_or_else(MessageBox::empty)
     }
 
     /// Keeps an empty box for the next message.

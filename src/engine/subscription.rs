@@ -279,17 +279,35 @@ impl<T: Transport> Subscription<T> {
 
     /// Polls the consumer once, with the subscription's own waker, unless a
     /// failed receive is waiting to be retried. A message goes straight
-    /// into `into`, where it stays until it is settled. Inline (a message
-    /// is received on every dispatch); the failure state and every outcome
-    /// but a message are handled out of line.
+    /// into `into`, where it stays until it is settled.
     #[inline(always)]
     pub(crate) fn receive(&self, into: &mut MessageBox) -> Received {
+        let mut not_stored = Received::Stored;
+        if self.receive_or(into, |received| not_stored = received) {
+            return Received::Stored;
+        }
+        not_stored
+    }
+
+    /// [`receive`](Self::receive) for the common path: returns whether a
+    /// message was stored, and passes anything else to `not_stored`.
+    /// Inline (a message is received on every dispatch); the failure state
+    /// and every outcome but a message are handled out of line. A flag,
+    /// not a `Received`: the stored case and the out-of-line outcomes
+    /// merged into one `Received`, written to memory to be matched again.
+    #[inline(always)]
+    pub(crate) fn receive_or(
+        &self,
+        into: &mut MessageBox,
+        not_stored: impl FnOnce(Received),
+    ) -> bool {
         // One look at the failure state, kept for after the poll: nothing
         // between here and there changes it.
         let failing = self.failing.get();
         if failing {
             if let Some(early) = self.wait_before_retry() {
-                return early;
+                not_stored(early);
+                return false;
             }
         }
         let mut cx = Context::from_waker(&self.waker);
@@ -303,9 +321,12 @@ impl<T: Transport> Subscription<T> {
                 if failing {
                     self.received_while_failing();
                 }
-                Received::Stored
+                true
             }
-            other => self.nothing_received(other),
+            other => {
+                not_stored(self.nothing_received(other));
+                false
+            }
         }
     }
 
