@@ -32,7 +32,7 @@ use tracing::{warn, Instrument};
 
 use super::stats::bump;
 use super::subscription::Subscription;
-use super::{Engine, Handler, MessageBox, Pool};
+use super::{Delivery, Engine, Handler, MessageBox, Phase, Pool};
 use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{panic_text, Deadline, HandlerError, IntoReply, Outcome, Verdict};
@@ -154,8 +154,11 @@ where
             } else {
                 self.run(job, &engine, &inbox).await;
             }
-            current = None;
             left_in_poll -= 1;
+            if left_in_poll != 0 && inbox.queue.borrow().is_empty() && job.follow_on() {
+                continue;
+            }
+            current = None;
             if left_in_poll == 0 {
                 left_in_poll = JOBS_PER_POLL;
                 engine.step_aside().await;
@@ -665,6 +668,54 @@ impl<T: Transport> Job<T> {
             }
             Action::Publish(publish) => Some(publish),
         }
+    }
+
+    /// Takes, once settled, its subscription's next message in place, with
+    /// the permit it holds, when ending and dispatching would pick that
+    /// message under that permit (see
+    /// [`Scheduler::try_redispatch_refilling`](crate::scheduler::Scheduler::try_redispatch_refilling))
+    /// and nothing else waits on its end: no consumer woke, no job handed
+    /// over waits to start, the engine runs and the subscription stays.
+    /// Returns false, having changed nothing, otherwise; the job then ends
+    /// as usual. Its worker asks only with no job queued behind this one,
+    /// which must run first.
+    ///
+    /// The common end of a job in a busy dispatcher: it skips the job's
+    /// drop, its permit's round trip and the building of the next job.
+    #[inline(always)]
+    fn follow_on(&mut self) -> bool {
+        let engine = &*self.engine;
+        if !self.finished
+            || engine.aging
+            || engine.woken.any()
+            || engine.handovers.get() != 0
+            || engine.phase() != Phase::Running
+            || self.subscription.is_removing()
+        {
+            return false;
+        }
+        let permit = self
+            .permit
+            .as_mut()
+            .expect("a job holds its permit until it ends");
+        let mut not_stored = None;
+        let next = engine
+            .scheduler
+            .borrow_mut()
+            .try_redispatch_refilling(permit, |delivery| {
+                engine.receive_next(&delivery.subscription, &mut not_stored)
+            });
+        let Some(Delivery { message, .. }) = next else {
+            return false;
+        };
+        bump(&self.subscription.counters.dispatched);
+        if let Some(received) = not_stored.take() {
+            engine.after_receive(&self.subscription, received);
+        }
+        let ended = std::mem::replace(&mut *self.message, message);
+        engine.recycle(ended);
+        self.finished = false;
+        true
     }
 
     /// Publishes a reply, retry or dead letter, then settles the message by

@@ -496,7 +496,7 @@ impl<M> Scheduler<M> {
     #[inline(always)]
     pub fn try_dispatch_refilling<R: Refilled<M>>(
         &mut self,
-        mut refill: impl FnMut(&M) -> Option<R>,
+        refill: impl FnMut(&M) -> Option<R>,
     ) -> Option<Pick<M>> {
         if self.available == 0 {
             return None;
@@ -516,10 +516,6 @@ impl<M> Scheduler<M> {
         // Charged before the subscription is borrowed for the rest of the
         // pick; nothing in the pick reads the turn.
         self.charge_turn(level);
-        let aging = matches!(self.policy, SchedulingPolicy::Aging(_));
-        // The subscription is looked up once: the refill is stored, and its
-        // readiness read, through this borrow (`refill` cannot reach the
-        // scheduler); the rest of the pick touches other fields only.
         let subscription = &mut self.subscriptions[key.0];
         let Some(waiting) = subscription.held.take_next() else {
             nothing_to_run()
@@ -537,6 +533,70 @@ impl<M> Scheduler<M> {
             self.after_pick_at_front(level, still_ready);
             return Some(self.pick(permit, waiting.message, false));
         }
+        self.refill_at_front(level, key, &waiting.message, refill);
+        Some(self.pick(permit, waiting.message, true))
+    }
+
+    /// Hands `permit`, whose message's processing has just ended, to its
+    /// own subscription's next message, when that is the message
+    /// [`release`](Self::release) followed by
+    /// [`try_dispatch_refilling`](Self::try_dispatch_refilling) would pick
+    /// under it: no other permit is free, the policy is strict, and the
+    /// subscription's slot holds a message at the front of the best ready
+    /// level, which leaves no permit to better levels. The slot is
+    /// refilled as by `try_dispatch_refilling`. Returns the message, with
+    /// the permit now its own; `None`, with nothing changed, when the pick
+    /// would be another's (then release the permit and dispatch as usual).
+    ///
+    /// The common end of a job in a busy dispatcher, done without the
+    /// permit's round trip through the ready queue and the level bits.
+    #[inline(always)]
+    pub fn try_redispatch_refilling<R: Refilled<M>>(
+        &mut self,
+        permit: &mut Permit,
+        refill: impl FnMut(&M) -> Option<R>,
+    ) -> Option<M> {
+        let key = permit.subscription;
+        let subscription = &mut self.subscriptions[key.0];
+        let level = subscription.level;
+        let Held::Slot(slot @ Some(_)) = &mut subscription.held else {
+            return None;
+        };
+        let same_pick = self.available == 0
+            && subscription.queued
+            && !self.closed
+            && matches!(self.policy, SchedulingPolicy::Strict)
+            && self.levels[level].to_leave == 0
+            && self.levels[level].ready.front() == Some(&key)
+            && first_set_bit(&self.ready_levels, 0) == Some(level);
+        if !same_pick {
+            return None;
+        }
+        let message = slot.take().map(|slotted| slotted.message)?;
+        self.waiting -= 1;
+        // The subscription may have moved level since the permit's pick.
+        permit.priority = self.levels[level].priority;
+        self.refill_at_front(level, key, &message, refill);
+        Some(message)
+    }
+
+    /// Refills the slot or key buffer of the subscription at the front of
+    /// `level`, whose message `picked` was just taken (see
+    /// [`try_dispatch_refilling`](Self::try_dispatch_refilling)), and puts
+    /// it where a pick leaves it in its level's ready queue.
+    #[inline(always)]
+    fn refill_at_front<R: Refilled<M>>(
+        &mut self,
+        level: usize,
+        key: SubscriptionKey,
+        picked: &M,
+        mut refill: impl FnMut(&M) -> Option<R>,
+    ) {
+        let aging = matches!(self.policy, SchedulingPolicy::Aging(_));
+        // The subscription is looked up once: the refill is stored, and its
+        // readiness read, through this borrow (`refill` cannot reach the
+        // scheduler); the rest touches other fields only.
+        let subscription = &mut self.subscriptions[key.0];
         // A refill that panics (a transport's bug) must not leave the
         // subscription at the front of its queue with an empty slot, which
         // every later pick would trip on: the queue is put right first
@@ -544,7 +604,7 @@ impl<M> Scheduler<M> {
         // before. One call of `refill` in the code, for a slot and a key
         // buffer alike: a second one kept the optimizer from inlining it.
         let refilled = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            while let Some(refilled) = refill(&waiting.message) {
+            while let Some(refilled) = refill(picked) {
                 let since = aging.then(|| round_time(&mut self.round, self.clock));
                 self.waiting += 1;
                 if Self::store_refilled(&mut subscription.held, refilled, since) {
@@ -557,7 +617,6 @@ impl<M> Scheduler<M> {
         if let Err(panic) = refilled {
             std::panic::resume_unwind(panic);
         }
-        Some(self.pick(permit, waiting.message, true))
     }
 
     /// Stores a message refilled within a pick into `held`, which has room

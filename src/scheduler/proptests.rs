@@ -420,3 +420,189 @@ proptest! {
         }
     }
 }
+
+/// An operation on two schedulers kept in step, for
+/// [`Scheduler::try_redispatch_refilling`].
+#[derive(Clone, Debug)]
+enum TwinOp {
+    Add {
+        priority: i64,
+        limit: Option<usize>,
+        ordering: u8,
+    },
+    Insert(usize),
+    Dispatch,
+    /// Ends the in-flight message at this index (modulo), and dispatches
+    /// with a refill of this many messages.
+    EndAndDispatch {
+        which: usize,
+        refills: usize,
+    },
+    SetPriority {
+        subscription: usize,
+        priority: i64,
+    },
+}
+
+fn twin_op() -> impl Strategy<Value = TwinOp> {
+    prop_oneof![
+        1 => (0i64..3, proptest::option::of(1usize..3), 0u8..3)
+            .prop_map(|(priority, limit, ordering)| TwinOp::Add { priority, limit, ordering }),
+        5 => (0usize..6).prop_map(TwinOp::Insert),
+        3 => Just(TwinOp::Dispatch),
+        6 => (0usize..8, 0usize..3)
+            .prop_map(|(which, refills)| TwinOp::EndAndDispatch { which, refills }),
+        1 => (0usize..6, 0i64..3)
+            .prop_map(|(subscription, priority)| TwinOp::SetPriority { subscription, priority }),
+    ]
+}
+
+/// What a pick showed: the subscription, the priority and the message.
+fn shown(permit: &Permit, message: u64) -> (SubscriptionKey, i64, u64) {
+    (permit.subscription(), permit.priority(), message)
+}
+
+/// Ends a message on `redispatching` with a re-dispatch and on `plain`
+/// with a release and a dispatch: both must pick the same message, refill
+/// the same, and be left alike. `refills` messages numbered from `next_id`
+/// are offered to each refill.
+fn end_both(
+    redispatching: &mut Scheduler<u64>,
+    plain: &mut Scheduler<u64>,
+    (mut permit, plain_permit): (Permit, Permit),
+    refills: usize,
+    next_id: u64,
+) -> Result<Option<(Permit, Permit)>, TestCaseError> {
+    let supply = || (0..refills).map(move |i| next_id + i as u64);
+    let mut left = supply();
+    let redispatched = redispatching.try_redispatch_refilling(&mut permit, |_| left.next());
+    let taken = refills - left.len();
+    plain.release(plain_permit);
+    let mut plain_left = supply();
+    let plain_pick = plain.try_dispatch_refilling(|_| plain_left.next());
+    let plain_taken = refills - plain_left.len();
+    let Some(message) = redispatched else {
+        prop_assert_eq!(taken, 0, "no re-dispatch, no refill");
+        // Then the caller ends the message as usual.
+        redispatching.release(permit);
+        let mut left = supply();
+        let pick = redispatching.try_dispatch_refilling(|_| left.next());
+        prop_assert_eq!(refills - left.len(), plain_taken, "refills taken");
+        prop_assert_eq!(
+            pick.as_ref().map(|p| shown(&p.permit, p.message)),
+            plain_pick.as_ref().map(|p| shown(&p.permit, p.message))
+        );
+        return Ok(pick.zip(plain_pick).map(|(a, b)| (a.permit, b.permit)));
+    };
+    prop_assert_eq!(taken, plain_taken, "refills taken");
+    let Some(plain_pick) = plain_pick else {
+        return Err(TestCaseError::fail(
+            "re-dispatched where a dispatch picks nothing",
+        ));
+    };
+    prop_assert_eq!(
+        shown(&permit, message),
+        shown(&plain_pick.permit, plain_pick.message)
+    );
+    prop_assert!(!plain_pick.permits_left, "re-dispatched with a permit free");
+    Ok(Some((permit, plain_pick.permit)))
+}
+
+fn check_twins(concurrency: usize, ops: Vec<TwinOp>) -> Result<(), TestCaseError> {
+    let concurrency = NonZeroUsize::new(concurrency).unwrap();
+    let (mut a, mut b) = (Scheduler::new(concurrency), Scheduler::new(concurrency));
+    let mut keys = Vec::new();
+    let mut in_flight: Vec<(Permit, Permit)> = Vec::new();
+    let mut next_id = 0u64;
+    for op in ops {
+        match op {
+            TwinOp::Add {
+                priority,
+                limit,
+                ordering,
+            } => {
+                let config = SubscriptionConfig {
+                    priority,
+                    max_in_flight: limit.and_then(NonZeroUsize::new),
+                    ordering: [Ordering::Unordered, Ordering::Key, Ordering::Subscription]
+                        [ordering as usize],
+                    key_buffer: 2,
+                };
+                let key = a.add(config);
+                prop_assert_eq!(key, b.add(config));
+                keys.push(key);
+            }
+            TwinOp::Insert(which) => {
+                let Some(&key) = keys.get(which) else {
+                    continue;
+                };
+                let inserted = a.try_insert(key, next_id).is_ok();
+                prop_assert_eq!(inserted, b.try_insert(key, next_id).is_ok());
+                next_id += 1;
+            }
+            TwinOp::Dispatch => match (a.try_dispatch(), b.try_dispatch()) {
+                (None, None) => {}
+                (Some((pa, ma)), Some((pb, mb))) => {
+                    prop_assert_eq!(shown(&pa, ma), shown(&pb, mb));
+                    in_flight.push((pa, pb));
+                }
+                _ => return Err(TestCaseError::fail("one dispatched, the other not")),
+            },
+            TwinOp::EndAndDispatch { which, refills } => {
+                if in_flight.is_empty() {
+                    continue;
+                }
+                let permits = in_flight.remove(which % in_flight.len());
+                if let Some(picked) = end_both(&mut a, &mut b, permits, refills, next_id)? {
+                    in_flight.push(picked);
+                }
+                next_id += refills as u64;
+            }
+            TwinOp::SetPriority {
+                subscription,
+                priority,
+            } => {
+                let Some(&key) = keys.get(subscription) else {
+                    continue;
+                };
+                a.set_priority(key, priority);
+                b.set_priority(key, priority);
+            }
+        }
+        prop_assert_eq!(a.in_flight(), b.in_flight());
+        prop_assert_eq!(a.waiting(), b.waiting());
+    }
+    // Both drain in the same order.
+    loop {
+        match (a.try_dispatch(), b.try_dispatch()) {
+            (None, None) => {}
+            (Some((pa, ma)), Some((pb, mb))) => {
+                prop_assert_eq!(shown(&pa, ma), shown(&pb, mb));
+                in_flight.push((pa, pb));
+                continue;
+            }
+            _ => return Err(TestCaseError::fail("one dispatched, the other not")),
+        }
+        let Some((pa, pb)) = in_flight.pop() else {
+            break;
+        };
+        a.release(pa);
+        b.release(pb);
+    }
+    prop_assert!(a.is_idle() && b.is_idle());
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// A job's end re-dispatched in place picks what a release and a
+    /// dispatch pick, refills the same, and leaves the scheduler alike.
+    #[test]
+    fn a_redispatch_is_a_release_and_a_dispatch(
+        concurrency in 1usize..4,
+        ops in proptest::collection::vec(twin_op(), 1..150),
+    ) {
+        check_twins(concurrency, ops)?;
+    }
+}
