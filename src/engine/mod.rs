@@ -138,6 +138,12 @@ impl MessageBox {
             .expect("a box in use holds a message")
     }
 
+    /// Empties it, for the next message.
+    #[inline(always)]
+    pub(crate) fn clear(&mut self) {
+        Message::clear(&mut self.0.message);
+    }
+
     /// When the message arrived in its slot, if timings are on.
     pub(crate) fn since(&self) -> Option<Instant> {
         self.0.since
@@ -609,15 +615,34 @@ impl<T: Transport> Engine<T> {
             return None;
         }
         let mut spare = self.spare();
-        if !subscription.receive_or(&mut spare, |received| *not_stored = Some(received)) {
+        if !self.receive_into(subscription, &mut spare, not_stored) {
             self.keep_spare(spare);
             return None;
         }
-        spare.0.since = self.timings.then(Instant::now);
         Some(Refill(Delivery {
             subscription: subscription.clone(),
             message: spare,
         }))
+    }
+
+    /// Receives the subscription's next message into `into`, an empty box,
+    /// while the dispatcher still receives; returns whether one was stored. What else the receive
+    /// gave goes to `not_stored`, as for [`receive_next`](Self::receive_next).
+    #[inline(always)]
+    fn receive_into(
+        &self,
+        subscription: &Subscription<T>,
+        into: &mut MessageBox,
+        not_stored: &mut Option<Received>,
+    ) -> bool {
+        if self.phase() != Phase::Running || !subscription.is_receiving() {
+            return false;
+        }
+        if !subscription.receive_or(into, |received| *not_stored = Some(received)) {
+            return false;
+        }
+        into.0.since = self.timings.then(Instant::now);
+        true
     }
 
     /// What a receive that stored nothing calls for.
@@ -706,7 +731,7 @@ impl<T: Transport> Engine<T> {
     /// Takes an emptied message box back for the next message.
     #[inline(always)]
     pub(crate) fn recycle(&self, mut message: MessageBox) {
-        Message::clear(&mut message.0.message);
+        message.clear();
         self.keep_spare(message);
     }
 

@@ -37,7 +37,7 @@ use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{panic_text, Deadline, HandlerError, IntoReply, Outcome, Verdict};
 use crate::routing::{Action, Publish};
-use crate::scheduler::Permit;
+use crate::scheduler::{Permit, Redispatch};
 use crate::transport::Transport;
 
 /// How many messages a worker handles in one poll before it yields. Tried
@@ -670,51 +670,68 @@ impl<T: Transport> Job<T> {
         }
     }
 
-    /// Takes, once settled, its subscription's next message in place, with
-    /// the permit it holds, when ending and dispatching would pick that
-    /// message under that permit (see
-    /// [`Scheduler::try_redispatch_refilling`](crate::scheduler::Scheduler::try_redispatch_refilling))
-    /// and nothing else waits on its end: no consumer woke, no job handed
-    /// over waits to start, the engine runs and the subscription stays.
-    /// Returns false, having changed nothing, otherwise; the job then ends
-    /// as usual. Its worker asks only with no job queued behind this one,
-    /// which must run first.
+    /// Takes, once settled, its subscription's next message, with the
+    /// permit it holds, when ending and dispatching would pick that message
+    /// under that permit (see [`Scheduler::try_redispatch`]) and nothing
+    /// else waits on its end: no consumer woke, no job handed over waits to
+    /// start, the engine runs and the subscription stays. The box of the
+    /// message it ends takes the subscription's next message, and goes to
+    /// the slot in exchange for the slot's. Returns false, having changed
+    /// nothing, otherwise; the job then ends as usual. Its worker asks only
+    /// with no job queued behind this one, which must run first.
     ///
     /// The common end of a job in a busy dispatcher: it skips the job's
-    /// drop, its permit's round trip and the building of the next job.
+    /// drop, its permit's round trip, the building of the next job and the
+    /// slot's new delivery.
+    ///
+    /// [`Scheduler::try_redispatch`]: crate::scheduler::Scheduler::try_redispatch
     #[inline(always)]
     fn follow_on(&mut self) -> bool {
-        let engine = &*self.engine;
-        if !self.finished
+        let Job {
+            engine,
+            subscription,
+            message,
+            permit,
+            finished,
+            ..
+        } = self;
+        if !*finished
             || engine.aging
             || engine.woken.any()
             || engine.handovers.get() != 0
             || engine.phase() != Phase::Running
-            || self.subscription.is_removing()
+            || subscription.is_removing()
         {
             return false;
         }
-        let permit = self
-            .permit
+        let permit = permit
             .as_mut()
             .expect("a job holds its permit until it ends");
+        let ended: &mut MessageBox = message;
         let mut not_stored = None;
-        let next = engine
+        let redispatched = engine
             .scheduler
             .borrow_mut()
-            .try_redispatch_refilling(permit, |delivery| {
-                engine.receive_next(&delivery.subscription, &mut not_stored)
+            .try_redispatch(permit, |waiting| {
+                ended.clear();
+                if !engine.receive_into(subscription, ended, &mut not_stored) {
+                    return false;
+                }
+                std::mem::swap(ended, &mut waiting.message);
+                true
             });
-        let Some(Delivery { message, .. }) = next else {
-            return false;
-        };
-        bump(&self.subscription.counters.dispatched);
-        if let Some(received) = not_stored.take() {
-            engine.after_receive(&self.subscription, received);
+        match redispatched {
+            Redispatch::Refused => return false,
+            Redispatch::Refilled => {}
+            Redispatch::Taken(Delivery { message: next, .. }) => {
+                engine.keep_spare(std::mem::replace(ended, next));
+            }
         }
-        let ended = std::mem::replace(&mut *self.message, message);
-        engine.recycle(ended);
-        self.finished = false;
+        bump(&subscription.counters.dispatched);
+        if let Some(received) = not_stored.take() {
+            engine.after_receive(subscription, received);
+        }
+        *finished = false;
         true
     }
 

@@ -140,6 +140,21 @@ pub struct Pick<M> {
     pub permits_left: bool,
 }
 
+/// What [`Scheduler::try_redispatch`] did.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a refused re-dispatch leaves the permit to release"]
+pub enum Redispatch<M> {
+    /// Another message would be picked: nothing changed, and the permit is
+    /// still to be released.
+    Refused,
+    /// The slot's message was exchanged in place for the subscription's
+    /// next one; the permit is the exchanged message's now.
+    Refilled,
+    /// The subscription had no next message: its slot's message, taken
+    /// out, holds the permit now.
+    Taken(M),
+}
+
 /// What a refill within a pick ([`Scheduler::try_dispatch_refilling`])
 /// hands back: the next message and, for a key buffer, its ordering key.
 /// A plain message tells no key, so a pick from a key buffer leaves the
@@ -496,7 +511,7 @@ impl<M> Scheduler<M> {
     #[inline(always)]
     pub fn try_dispatch_refilling<R: Refilled<M>>(
         &mut self,
-        refill: impl FnMut(&M) -> Option<R>,
+        mut refill: impl FnMut(&M) -> Option<R>,
     ) -> Option<Pick<M>> {
         if self.available == 0 {
             return None;
@@ -516,6 +531,10 @@ impl<M> Scheduler<M> {
         // Charged before the subscription is borrowed for the rest of the
         // pick; nothing in the pick reads the turn.
         self.charge_turn(level);
+        let aging = matches!(self.policy, SchedulingPolicy::Aging(_));
+        // The subscription is looked up once: the refill is stored, and its
+        // readiness read, through this borrow (`refill` cannot reach the
+        // scheduler); the rest of the pick touches other fields only.
         let subscription = &mut self.subscriptions[key.0];
         let Some(waiting) = subscription.held.take_next() else {
             nothing_to_run()
@@ -533,70 +552,6 @@ impl<M> Scheduler<M> {
             self.after_pick_at_front(level, still_ready);
             return Some(self.pick(permit, waiting.message, false));
         }
-        self.refill_at_front(level, key, &waiting.message, refill);
-        Some(self.pick(permit, waiting.message, true))
-    }
-
-    /// Hands `permit`, whose message's processing has just ended, to its
-    /// own subscription's next message, when that is the message
-    /// [`release`](Self::release) followed by
-    /// [`try_dispatch_refilling`](Self::try_dispatch_refilling) would pick
-    /// under it: no other permit is free, the policy is strict, and the
-    /// subscription's slot holds a message at the front of the best ready
-    /// level, which leaves no permit to better levels. The slot is
-    /// refilled as by `try_dispatch_refilling`. Returns the message, with
-    /// the permit now its own; `None`, with nothing changed, when the pick
-    /// would be another's (then release the permit and dispatch as usual).
-    ///
-    /// The common end of a job in a busy dispatcher, done without the
-    /// permit's round trip through the ready queue and the level bits.
-    #[inline(always)]
-    pub fn try_redispatch_refilling<R: Refilled<M>>(
-        &mut self,
-        permit: &mut Permit,
-        refill: impl FnMut(&M) -> Option<R>,
-    ) -> Option<M> {
-        let key = permit.subscription;
-        let subscription = &mut self.subscriptions[key.0];
-        let level = subscription.level;
-        let Held::Slot(slot @ Some(_)) = &mut subscription.held else {
-            return None;
-        };
-        let same_pick = self.available == 0
-            && subscription.queued
-            && !self.closed
-            && matches!(self.policy, SchedulingPolicy::Strict)
-            && self.levels[level].to_leave == 0
-            && self.levels[level].ready.front() == Some(&key)
-            && first_set_bit(&self.ready_levels, 0) == Some(level);
-        if !same_pick {
-            return None;
-        }
-        let message = slot.take().map(|slotted| slotted.message)?;
-        self.waiting -= 1;
-        // The subscription may have moved level since the permit's pick.
-        permit.priority = self.levels[level].priority;
-        self.refill_at_front(level, key, &message, refill);
-        Some(message)
-    }
-
-    /// Refills the slot or key buffer of the subscription at the front of
-    /// `level`, whose message `picked` was just taken (see
-    /// [`try_dispatch_refilling`](Self::try_dispatch_refilling)), and puts
-    /// it where a pick leaves it in its level's ready queue.
-    #[inline(always)]
-    fn refill_at_front<R: Refilled<M>>(
-        &mut self,
-        level: usize,
-        key: SubscriptionKey,
-        picked: &M,
-        mut refill: impl FnMut(&M) -> Option<R>,
-    ) {
-        let aging = matches!(self.policy, SchedulingPolicy::Aging(_));
-        // The subscription is looked up once: the refill is stored, and its
-        // readiness read, through this borrow (`refill` cannot reach the
-        // scheduler); the rest touches other fields only.
-        let subscription = &mut self.subscriptions[key.0];
         // A refill that panics (a transport's bug) must not leave the
         // subscription at the front of its queue with an empty slot, which
         // every later pick would trip on: the queue is put right first
@@ -604,7 +559,7 @@ impl<M> Scheduler<M> {
         // before. One call of `refill` in the code, for a slot and a key
         // buffer alike: a second one kept the optimizer from inlining it.
         let refilled = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            while let Some(refilled) = refill(picked) {
+            while let Some(refilled) = refill(&waiting.message) {
                 let since = aging.then(|| round_time(&mut self.round, self.clock));
                 self.waiting += 1;
                 if Self::store_refilled(&mut subscription.held, refilled, since) {
@@ -617,6 +572,70 @@ impl<M> Scheduler<M> {
         if let Err(panic) = refilled {
             std::panic::resume_unwind(panic);
         }
+        Some(self.pick(permit, waiting.message, true))
+    }
+
+    /// Hands `permit`, whose message's processing has just ended, to its
+    /// own subscription's next message, when that is the message
+    /// [`release`](Self::release) followed by
+    /// [`try_dispatch_refilling`](Self::try_dispatch_refilling) would pick
+    /// under it: no other permit is free, the policy is strict, and the
+    /// subscription's slot holds a message at the front of the best ready
+    /// level, which leaves no permit to better levels.
+    ///
+    /// The slot is refilled in place: `refill` is given the slot's message
+    /// and either exchanges it for the subscription's next one, returning
+    /// true (the slot stays full), or leaves it, returning false (the
+    /// message is then taken out of the slot). It runs before the scheduler
+    /// changes anything, so a refill that panics leaves it as it was, the
+    /// permit still the caller's to release.
+    ///
+    /// The common end of a job in a busy dispatcher, done without the
+    /// permit's round trip through the ready queue and the level bits, and
+    /// without moving the slot's message.
+    #[inline(always)]
+    pub fn try_redispatch(
+        &mut self,
+        permit: &mut Permit,
+        refill: impl FnOnce(&mut M) -> bool,
+    ) -> Redispatch<M> {
+        let key = permit.subscription;
+        let subscription = &mut self.subscriptions[key.0];
+        let level = subscription.level;
+        let queued = subscription.queued;
+        let Held::Slot(slot @ Some(_)) = &mut subscription.held else {
+            return Redispatch::Refused;
+        };
+        let Level {
+            ready,
+            priority,
+            to_leave,
+            ..
+        } = &mut self.levels[level];
+        let same_pick = self.available == 0
+            && queued
+            && !self.closed
+            && matches!(self.policy, SchedulingPolicy::Strict)
+            && *to_leave == 0
+            && ready.front() == Some(&key)
+            && first_set_bit(&self.ready_levels, 0) == Some(level);
+        if !same_pick {
+            return Redispatch::Refused;
+        }
+        let refilled = refill(&mut slot.as_mut().expect("matched full").message);
+        // The subscription may have moved level since the permit's pick.
+        permit.priority = *priority;
+        if refilled {
+            // Still ready: to the back of its queue, as after a pick.
+            if ready.len() > 1 {
+                ready.rotate_left(1);
+            }
+            return Redispatch::Refilled;
+        }
+        let taken = slot.take().expect("matched full").message;
+        self.waiting -= 1;
+        self.pop_ready(level);
+        Redispatch::Taken(taken)
     }
 
     /// Stores a message refilled within a pick into `held`, which has room

@@ -422,7 +422,7 @@ proptest! {
 }
 
 /// An operation on two schedulers kept in step, for
-/// [`Scheduler::try_redispatch_refilling`].
+/// [`Scheduler::try_redispatch`].
 #[derive(Clone, Debug)]
 enum TwinOp {
     Add {
@@ -462,10 +462,11 @@ fn shown(permit: &Permit, message: u64) -> (SubscriptionKey, i64, u64) {
     (permit.subscription(), permit.priority(), message)
 }
 
-/// Ends a message on `redispatching` with a re-dispatch and on `plain`
-/// with a release and a dispatch: both must pick the same message, refill
-/// the same, and be left alike. `refills` messages numbered from `next_id`
-/// are offered to each refill.
+/// Ends a message on `redispatching` with a re-dispatch, whose refill
+/// exchanges the slot's message as the engine's does, and on `plain` with
+/// a release and a dispatch: both must pick the same message, refill the
+/// same, and be left alike. `refills` messages numbered from `next_id` are
+/// offered to each refill.
 fn end_both(
     redispatching: &mut Scheduler<u64>,
     plain: &mut Scheduler<u64>,
@@ -475,24 +476,38 @@ fn end_both(
 ) -> Result<Option<(Permit, Permit)>, TestCaseError> {
     let supply = || (0..refills).map(move |i| next_id + i as u64);
     let mut left = supply();
-    let redispatched = redispatching.try_redispatch_refilling(&mut permit, |_| left.next());
+    let mut exchanged = None;
+    let redispatched = redispatching.try_redispatch(&mut permit, |waiting| {
+        let Some(next) = left.next() else {
+            return false;
+        };
+        exchanged = Some(std::mem::replace(waiting, next));
+        true
+    });
     let taken = refills - left.len();
     plain.release(plain_permit);
     let mut plain_left = supply();
     let plain_pick = plain.try_dispatch_refilling(|_| plain_left.next());
     let plain_taken = refills - plain_left.len();
-    let Some(message) = redispatched else {
-        prop_assert_eq!(taken, 0, "no re-dispatch, no refill");
-        // Then the caller ends the message as usual.
-        redispatching.release(permit);
-        let mut left = supply();
-        let pick = redispatching.try_dispatch_refilling(|_| left.next());
-        prop_assert_eq!(refills - left.len(), plain_taken, "refills taken");
-        prop_assert_eq!(
-            pick.as_ref().map(|p| shown(&p.permit, p.message)),
-            plain_pick.as_ref().map(|p| shown(&p.permit, p.message))
-        );
-        return Ok(pick.zip(plain_pick).map(|(a, b)| (a.permit, b.permit)));
+    let message = match redispatched {
+        Redispatch::Refused => {
+            prop_assert_eq!(taken, 0, "no re-dispatch, no refill");
+            // Then the caller ends the message as usual.
+            redispatching.release(permit);
+            let mut left = supply();
+            let pick = redispatching.try_dispatch_refilling(|_| left.next());
+            prop_assert_eq!(refills - left.len(), plain_taken, "refills taken");
+            prop_assert_eq!(
+                pick.as_ref().map(|p| shown(&p.permit, p.message)),
+                plain_pick.as_ref().map(|p| shown(&p.permit, p.message))
+            );
+            return Ok(pick.zip(plain_pick).map(|(a, b)| (a.permit, b.permit)));
+        }
+        Redispatch::Refilled => exchanged.expect("a refill exchanged the message"),
+        Redispatch::Taken(message) => {
+            prop_assert!(exchanged.is_none(), "taken after an exchange");
+            message
+        }
     };
     prop_assert_eq!(taken, plain_taken, "refills taken");
     let Some(plain_pick) = plain_pick else {
