@@ -485,6 +485,7 @@ impl<T: Transport> Engine<T> {
                 message: delivery,
                 refill_called,
                 permits_left,
+                next_in_line,
             }) = picked
             else {
                 break;
@@ -507,7 +508,7 @@ impl<T: Transport> Engine<T> {
             if let Some(received) = not_stored.take() {
                 self.after_receive(&subscription, received);
             }
-            let mut job = Job::new(self.clone(), subscription, message, permit);
+            let mut job = Job::new(self.clone(), subscription, message, permit, next_in_line);
             if job.pool() != keep {
                 job.hand_over();
             } else if next.is_none() && queue.is_empty() {

@@ -6,7 +6,10 @@
 //! so a pool never holds more workers than the concurrency limit; after
 //! that, dispatching a message allocates nothing: the handler's future lives
 //! inside the worker's own task, which is reused message after message.
-//! When a worker finishes a message it dispatches at once (permit, then the
+//! When a worker finishes a message whose subscription's next message is
+//! the one a release and a pick would give its permit, it runs that one
+//! next under the same permit, the two message boxes exchanged in place
+//! (see `Job::follow_on`). Otherwise it dispatches at once (permit, then the
 //! best waiting messages, as the engine would): those for its own handler
 //! go to its queue and run in the same poll, in the order they were picked,
 //! while their handlers finish without waiting; the first time one waits,
@@ -489,6 +492,12 @@ pub(crate) struct Job<T: Transport> {
     /// What its start has to do; `Nothing` once started.
     before_start: BeforeStart,
     finished: bool,
+    /// Whether its subscription's next message was next in line at its
+    /// level when this one was picked ([`Pick::next_in_line`]): only then
+    /// may the job's end take it in place (see [`Job::follow_on`]).
+    ///
+    /// [`Pick::next_in_line`]: crate::scheduler::Pick::next_in_line
+    next_in_line: bool,
 }
 
 /// What a job has to do as it starts, told in one look for nearly every
@@ -513,6 +522,7 @@ impl<T: Transport> Job<T> {
         subscription: Rc<Subscription<T>>,
         message: MessageBox,
         permit: Permit,
+        next_in_line: bool,
     ) -> Self {
         let priority = permit.priority();
         let before_start = if engine.better_handover_pending(priority) {
@@ -527,6 +537,7 @@ impl<T: Transport> Job<T> {
             permit: Some(permit),
             before_start,
             finished: false,
+            next_in_line,
         }
     }
 
@@ -693,9 +704,13 @@ impl<T: Transport> Job<T> {
             message,
             permit,
             finished,
+            next_in_line,
             ..
         } = self;
-        if !*finished
+        // The hint first: it is false for a key-ordered subscription, and
+        // for one that takes turns with others at its level.
+        if !*next_in_line
+            || !*finished
             || engine.aging
             || engine.woken.any()
             || engine.handovers.get() != 0
@@ -722,9 +737,10 @@ impl<T: Transport> Job<T> {
             });
         match redispatched {
             Redispatch::Refused => return false,
-            Redispatch::Refilled => {}
+            Redispatch::Refilled { next_in_line: next } => *next_in_line = next,
             Redispatch::Taken(Delivery { message: next, .. }) => {
                 engine.keep_spare(std::mem::replace(ended, next));
+                *next_in_line = false;
             }
         }
         bump(&subscription.counters.dispatched);

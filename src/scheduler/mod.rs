@@ -138,6 +138,11 @@ pub struct Pick<M> {
     pub refill_called: bool,
     /// Whether a permit is still free after this pick.
     pub permits_left: bool,
+    /// Whether the subscription is ready and alone in its level's ready
+    /// queue after this pick, its next message so next in line there: a
+    /// hint that [`Scheduler::try_redispatch`] may hand this permit to
+    /// that message when this one ends (it checks everything again).
+    pub next_in_line: bool,
 }
 
 /// What [`Scheduler::try_redispatch`] did.
@@ -148,8 +153,12 @@ pub enum Redispatch<M> {
     /// still to be released.
     Refused,
     /// The slot's message was exchanged in place for the subscription's
-    /// next one; the permit is the exchanged message's now.
-    Refilled,
+    /// next one; the permit is the exchanged message's now. The flag is
+    /// [`Pick::next_in_line`] for this re-dispatch.
+    Refilled {
+        /// As [`Pick::next_in_line`].
+        next_in_line: bool,
+    },
     /// The subscription had no next message: its slot's message, taken
     /// out, holds the permit now.
     Taken(M),
@@ -526,7 +535,7 @@ impl<M> Scheduler<M> {
         let priority = *priority;
         if !R::TELLS_KEY && matches!(self.subscriptions[key.0].held, Held::Keyed(_)) {
             let (permit, message) = self.dispatch_at(level)?;
-            return Some(self.pick(permit, message, false));
+            return Some(self.pick(permit, message, false, false));
         }
         // Charged before the subscription is borrowed for the rest of the
         // pick; nothing in the pick reads the turn.
@@ -550,7 +559,7 @@ impl<M> Scheduler<M> {
         if self.closed {
             let still_ready = subscription.is_ready();
             self.after_pick_at_front(level, still_ready);
-            return Some(self.pick(permit, waiting.message, false));
+            return Some(self.pick(permit, waiting.message, false, false));
         }
         // A refill that panics (a transport's bug) must not leave the
         // subscription at the front of its queue with an empty slot, which
@@ -568,11 +577,11 @@ impl<M> Scheduler<M> {
             }
         }));
         let still_ready = subscription.is_ready();
-        self.after_pick_at_front(level, still_ready);
+        let next_in_line = self.after_pick_at_front(level, still_ready);
         if let Err(panic) = refilled {
             std::panic::resume_unwind(panic);
         }
-        Some(self.pick(permit, waiting.message, true))
+        Some(self.pick(permit, waiting.message, true, next_in_line))
     }
 
     /// Hands `permit`, whose message's processing has just ended, to its
@@ -627,10 +636,13 @@ impl<M> Scheduler<M> {
         permit.priority = *priority;
         if refilled {
             // Still ready: to the back of its queue, as after a pick.
-            if ready.len() > 1 {
+            let alone = ready.len() == 1;
+            if !alone {
                 ready.rotate_left(1);
             }
-            return Redispatch::Refilled;
+            return Redispatch::Refilled {
+                next_in_line: alone,
+            };
         }
         let taken = slot.take().expect("matched full").message;
         self.waiting -= 1;
@@ -680,28 +692,32 @@ impl<M> Scheduler<M> {
     }
 
     #[inline(always)]
-    fn pick(&self, permit: Permit, message: M, refill_called: bool) -> Pick<M> {
+    fn pick(&self, permit: Permit, message: M, refill_called: bool, next_in_line: bool) -> Pick<M> {
         Pick {
             permit,
             message,
             refill_called,
             permits_left: self.available > 0,
+            next_in_line,
         }
     }
 
     /// After a pick from the subscription at the front of `level`'s ready
     /// queue: to the back of the queue if it is `still_ready` (where a pop
-    /// and a push would put it), out of it otherwise.
+    /// and a push would put it), out of it otherwise. Returns whether it is
+    /// ready and alone there (see [`Pick::next_in_line`]).
     #[inline(always)]
-    fn after_pick_at_front(&mut self, level: usize, still_ready: bool) {
-        if still_ready {
-            let ready = &mut self.levels[level].ready;
-            if ready.len() > 1 {
-                ready.rotate_left(1);
-            }
-        } else {
+    fn after_pick_at_front(&mut self, level: usize, still_ready: bool) -> bool {
+        if !still_ready {
             self.pop_ready(level);
+            return false;
         }
+        let ready = &mut self.levels[level].ready;
+        let alone = ready.len() == 1;
+        if !alone {
+            ready.rotate_left(1);
+        }
+        alone
     }
 
     /// A pick at `level` costs its turn one dispatch (weighted policy).

@@ -503,7 +503,7 @@ fn end_both(
             );
             return Ok(pick.zip(plain_pick).map(|(a, b)| (a.permit, b.permit)));
         }
-        Redispatch::Refilled => exchanged.expect("a refill exchanged the message"),
+        Redispatch::Refilled { .. } => exchanged.expect("a refill exchanged the message"),
         Redispatch::Taken(message) => {
             prop_assert!(exchanged.is_none(), "taken after an exchange");
             message

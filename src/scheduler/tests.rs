@@ -694,3 +694,85 @@ fn a_subscription_fits_in_one_cache_line() {
         "the slab adds nothing around it"
     );
 }
+
+#[test]
+fn a_pick_tells_whether_its_subscription_is_next_in_line_at_its_level() {
+    let mut s = scheduler(4);
+    let (a, b) = (s.add_subscription(0), s.add_subscription(0));
+    s.try_insert(a, "a1").unwrap();
+    s.try_insert(b, "b1").unwrap();
+    let pick = s.try_dispatch_refilling(|_| Some("a2")).unwrap();
+    assert_eq!(pick.message, "a1");
+    assert!(!pick.next_in_line, "b takes the next turn at that level");
+    let pick = s.try_dispatch_refilling(|_| None::<&str>).unwrap();
+    assert_eq!(pick.message, "b1");
+    assert!(!pick.next_in_line, "not refilled, so not ready");
+    let pick = s.try_dispatch_refilling(|_| Some("a3")).unwrap();
+    assert_eq!(pick.message, "a2");
+    assert!(pick.next_in_line, "refilled, and alone at its level");
+}
+
+#[test]
+fn a_redispatch_takes_the_lone_subscriptions_next_message_under_the_same_permit() {
+    let mut s = scheduler(1);
+    let only = s.add_subscription(0);
+    s.try_insert(only, "1").unwrap();
+    let pick = s.try_dispatch_refilling(|_| Some("2")).unwrap();
+    let mut permit = pick.permit;
+    let mut ran = pick.message;
+    let redispatched = s.try_redispatch(&mut permit, |waiting| {
+        ran = std::mem::replace(waiting, "3");
+        true
+    });
+    assert_eq!(redispatched, Redispatch::Refilled { next_in_line: true });
+    assert_eq!(ran, "2");
+    assert_eq!((s.in_flight(), s.waiting()), (1, 1));
+    // No next message: the slot's is taken out, and the slot left empty.
+    assert_eq!(
+        s.try_redispatch(&mut permit, |_| false),
+        Redispatch::Taken("3")
+    );
+    assert_eq!((s.in_flight(), s.waiting()), (1, 0));
+    assert_eq!(
+        s.try_redispatch(&mut permit, |_| unreachable!()),
+        Redispatch::Refused
+    );
+    s.release(permit);
+    assert!(s.is_idle());
+}
+
+#[test]
+fn a_redispatch_is_refused_when_a_release_and_a_pick_would_choose_otherwise() {
+    let mut s = scheduler(2);
+    let (a, b) = (s.add_subscription(1), s.add_subscription(1));
+    s.try_insert(a, "a1").unwrap();
+    s.try_insert(b, "b1").unwrap();
+    let mut first = s.try_dispatch_refilling(|_| Some("a2")).unwrap().permit;
+    assert_eq!(
+        s.try_redispatch(&mut first, |_| unreachable!()),
+        Redispatch::Refused,
+        "a permit is still free"
+    );
+    let second = s.try_dispatch_refilling(|_| None::<&str>).unwrap().permit;
+    // a2 is the only ready message: a takes it under its own permit.
+    let mut ran = "";
+    let redispatched = s.try_redispatch(&mut first, |waiting| {
+        ran = std::mem::replace(waiting, "a3");
+        true
+    });
+    assert_eq!(redispatched, Redispatch::Refilled { next_in_line: true });
+    assert_eq!(ran, "a2");
+    // A better subscription's message waits: it goes first.
+    let better = s.add_subscription(0);
+    s.try_insert(better, "better").unwrap();
+    assert_eq!(
+        s.try_redispatch(&mut first, |_| unreachable!()),
+        Redispatch::Refused
+    );
+    s.release(first);
+    let pick = s.try_dispatch_refilling(|_| None::<&str>).unwrap();
+    assert_eq!(pick.message, "better");
+    for permit in [second, pick.permit] {
+        s.release(permit);
+    }
+}
