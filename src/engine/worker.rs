@@ -40,7 +40,7 @@ use crate::error::Error;
 use crate::message::Message;
 use crate::outcome::{panic_text, Deadline, HandlerError, IntoReply, Outcome, Verdict};
 use crate::routing::{Action, Publish};
-use crate::scheduler::{Permit, Redispatch};
+use crate::scheduler::Permit;
 use crate::transport::Transport;
 
 /// How many messages a worker handles in one poll before it yields. Tried
@@ -158,7 +158,13 @@ where
                 self.run(job, &engine, &inbox).await;
             }
             left_in_poll -= 1;
-            if left_in_poll != 0 && inbox.queue.borrow().is_empty() && job.follow_on() {
+            // The hint first: false for a key-ordered subscription, and
+            // for one that takes turns with others at its level.
+            if job.next_in_line
+                && left_in_poll != 0
+                && inbox.queue.borrow().is_empty()
+                && job.follow_on()
+            {
                 continue;
             }
             current = None;
@@ -689,7 +695,8 @@ impl<T: Transport> Job<T> {
     /// message it ends takes the subscription's next message, and goes to
     /// the slot in exchange for the slot's. Returns false, having changed
     /// nothing, otherwise; the job then ends as usual. Its worker asks only
-    /// with no job queued behind this one, which must run first.
+    /// when the job's hint says its subscription's next message was next in
+    /// line, and with no job queued behind this one, which must run first.
     ///
     /// The common end of a job in a busy dispatcher: it skips the job's
     /// drop, its permit's round trip, the building of the next job and the
@@ -707,10 +714,7 @@ impl<T: Transport> Job<T> {
             next_in_line,
             ..
         } = self;
-        // The hint first: it is false for a key-ordered subscription, and
-        // for one that takes turns with others at its level.
-        if !*next_in_line
-            || !*finished
+        if !*finished
             || engine.aging
             || engine.woken.any()
             || engine.handovers.get() != 0
@@ -724,21 +728,19 @@ impl<T: Transport> Job<T> {
             .expect("a job holds its permit until it ends");
         let ended: &mut MessageBox = message;
         let mut not_stored = None;
-        let redispatched = engine
-            .scheduler
-            .borrow_mut()
-            .try_redispatch(permit, |waiting| {
-                ended.clear();
-                if !engine.receive_into(subscription, ended, &mut not_stored) {
-                    return false;
-                }
-                std::mem::swap(ended, &mut waiting.message);
-                true
-            });
-        match redispatched {
-            Redispatch::Refused => return false,
-            Redispatch::Refilled { next_in_line: next } => *next_in_line = next,
-            Redispatch::Taken(Delivery { message: next, .. }) => {
+        {
+            let mut scheduler = engine.scheduler.borrow_mut();
+            let Some(mut redispatch) = scheduler.try_redispatch(permit) else {
+                return false;
+            };
+            // The consumer cannot reach the scheduler, which this holds;
+            // a panic in it drops the re-dispatch unsettled.
+            ended.clear();
+            if engine.receive_into(subscription, ended, &mut not_stored) {
+                std::mem::swap(ended, &mut redispatch.waiting().message);
+                *next_in_line = redispatch.refilled();
+            } else {
+                let Delivery { message: next, .. } = redispatch.take();
                 engine.keep_spare(std::mem::replace(ended, next));
                 *next_in_line = false;
             }

@@ -138,30 +138,76 @@ pub struct Pick<M> {
     pub refill_called: bool,
     /// Whether a permit is still free after this pick.
     pub permits_left: bool,
-    /// Whether the subscription is ready and alone in its level's ready
-    /// queue after this pick, its next message so next in line there: a
-    /// hint that [`Scheduler::try_redispatch`] may hand this permit to
-    /// that message when this one ends (it checks everything again).
+    /// Whether the subscription holds a slot (not a key buffer) and is
+    /// ready and alone in its level's ready queue after this pick, its next
+    /// message so next in line there: a hint that
+    /// [`Scheduler::try_redispatch`] may hand this permit to that message
+    /// when this one ends (it checks everything again).
     pub next_in_line: bool,
 }
 
-/// What [`Scheduler::try_redispatch`] did.
-#[derive(Debug, PartialEq, Eq)]
-#[must_use = "a refused re-dispatch leaves the permit to release"]
-pub enum Redispatch<M> {
-    /// Another message would be picked: nothing changed, and the permit is
-    /// still to be released.
-    Refused,
-    /// The slot's message was exchanged in place for the subscription's
-    /// next one; the permit is the exchanged message's now. The flag is
-    /// [`Pick::next_in_line`] for this re-dispatch.
-    Refilled {
-        /// As [`Pick::next_in_line`].
-        next_in_line: bool,
-    },
-    /// The subscription had no next message: its slot's message, taken
-    /// out, holds the permit now.
-    Taken(M),
+/// A re-dispatch under way ([`Scheduler::try_redispatch`]): the permit of
+/// a message that has ended, offered to its subscription's next message,
+/// which waits in the slot. Settle it with [`refilled`](Self::refilled) or
+/// [`take`](Self::take); until then nothing has changed.
+#[must_use = "a re-dispatch dropped unsettled leaves the permit to release"]
+pub struct Redispatch<'a, M> {
+    scheduler: &'a mut Scheduler<M>,
+    permit: &'a mut Permit,
+    level: usize,
+}
+
+impl<M> std::fmt::Debug for Redispatch<'_, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Redispatch")
+            .field("permit", &self.permit)
+            .field("level", &self.level)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M> Redispatch<'_, M> {
+    /// The message waiting in the slot, the one the permit goes to.
+    #[inline(always)]
+    pub fn waiting(&mut self) -> &mut M {
+        let subscription = &mut self.scheduler.subscriptions[self.permit.subscription.0];
+        match &mut subscription.held {
+            Held::Slot(Some(slotted)) => &mut slotted.message,
+            _ => unreachable!("a re-dispatch is offered for a full slot"),
+        }
+    }
+
+    /// The slot's message was exchanged, through [`waiting`](Self::waiting),
+    /// for the subscription's next one: the permit is the message taken
+    /// out's now, and the slot stays full, its turn taken as after a pick.
+    /// Returns [`Pick::next_in_line`] for this re-dispatch.
+    #[inline(always)]
+    pub fn refilled(self) -> bool {
+        let Level {
+            ready, priority, ..
+        } = &mut self.scheduler.levels[self.level];
+        // The subscription may have moved level since the permit's pick.
+        self.permit.priority = *priority;
+        let alone = ready.len() == 1;
+        if !alone {
+            ready.rotate_left(1);
+        }
+        alone
+    }
+
+    /// The subscription had no next message: the slot's message is taken
+    /// out, and the permit is its own now.
+    pub fn take(self) -> M {
+        let scheduler = self.scheduler;
+        let subscription = &mut scheduler.subscriptions[self.permit.subscription.0];
+        let Some(slotted) = subscription.held.take_next() else {
+            unreachable!("a re-dispatch is offered for a full slot")
+        };
+        scheduler.waiting -= 1;
+        self.permit.priority = scheduler.levels[self.level].priority;
+        scheduler.pop_ready(self.level);
+        slotted.message
+    }
 }
 
 /// What a refill within a pick ([`Scheduler::try_dispatch_refilling`])
@@ -577,77 +623,55 @@ impl<M> Scheduler<M> {
             }
         }));
         let still_ready = subscription.is_ready();
-        let next_in_line = self.after_pick_at_front(level, still_ready);
+        let slot = matches!(subscription.held, Held::Slot(_));
+        // Only a slot's next message can be re-dispatched.
+        let next_in_line = self.after_pick_at_front(level, still_ready) && slot;
         if let Err(panic) = refilled {
             std::panic::resume_unwind(panic);
         }
         Some(self.pick(permit, waiting.message, true, next_in_line))
     }
 
-    /// Hands `permit`, whose message's processing has just ended, to its
+    /// Offers `permit`, whose message's processing has just ended, to its
     /// own subscription's next message, when that is the message
     /// [`release`](Self::release) followed by
     /// [`try_dispatch_refilling`](Self::try_dispatch_refilling) would pick
     /// under it: no other permit is free, the policy is strict, and the
     /// subscription's slot holds a message at the front of the best ready
-    /// level, which leaves no permit to better levels.
+    /// level, which leaves no permit to better levels. `None` otherwise
+    /// (then release the permit and dispatch as usual).
     ///
-    /// The slot is refilled in place: `refill` is given the slot's message
-    /// and either exchanges it for the subscription's next one, returning
-    /// true (the slot stays full), or leaves it, returning false (the
-    /// message is then taken out of the slot). It runs before the scheduler
-    /// changes anything, so a refill that panics leaves it as it was, the
-    /// permit still the caller's to release.
+    /// Nothing changes until the [`Redispatch`] returned is settled: its
+    /// slot's message is exchanged in place for the subscription's next one
+    /// ([`Redispatch::refilled`]), or taken out when there is none
+    /// ([`Redispatch::take`]). Dropped unsettled (a refill that panicked),
+    /// it leaves the scheduler as it was and the permit the caller's to
+    /// release.
     ///
     /// The common end of a job in a busy dispatcher, done without the
     /// permit's round trip through the ready queue and the level bits, and
     /// without moving the slot's message.
     #[inline(always)]
-    pub fn try_redispatch(
-        &mut self,
-        permit: &mut Permit,
-        refill: impl FnOnce(&mut M) -> bool,
-    ) -> Redispatch<M> {
+    pub fn try_redispatch<'a>(&'a mut self, permit: &'a mut Permit) -> Option<Redispatch<'a, M>> {
         let key = permit.subscription;
-        let subscription = &mut self.subscriptions[key.0];
+        let subscription = &self.subscriptions[key.0];
         let level = subscription.level;
-        let queued = subscription.queued;
-        let Held::Slot(slot @ Some(_)) = &mut subscription.held else {
-            return Redispatch::Refused;
-        };
         let Level {
-            ready,
-            priority,
-            to_leave,
-            ..
-        } = &mut self.levels[level];
+            ready, to_leave, ..
+        } = &self.levels[level];
         let same_pick = self.available == 0
-            && queued
+            && subscription.queued
+            && matches!(subscription.held, Held::Slot(Some(_)))
             && !self.closed
             && matches!(self.policy, SchedulingPolicy::Strict)
             && *to_leave == 0
             && ready.front() == Some(&key)
             && first_set_bit(&self.ready_levels, 0) == Some(level);
-        if !same_pick {
-            return Redispatch::Refused;
-        }
-        let refilled = refill(&mut slot.as_mut().expect("matched full").message);
-        // The subscription may have moved level since the permit's pick.
-        permit.priority = *priority;
-        if refilled {
-            // Still ready: to the back of its queue, as after a pick.
-            let alone = ready.len() == 1;
-            if !alone {
-                ready.rotate_left(1);
-            }
-            return Redispatch::Refilled {
-                next_in_line: alone,
-            };
-        }
-        let taken = slot.take().expect("matched full").message;
-        self.waiting -= 1;
-        self.pop_ready(level);
-        Redispatch::Taken(taken)
+        same_pick.then_some(Redispatch {
+            scheduler: self,
+            permit,
+            level,
+        })
     }
 
     /// Stores a message refilled within a pick into `held`, which has room

@@ -476,38 +476,37 @@ fn end_both(
 ) -> Result<Option<(Permit, Permit)>, TestCaseError> {
     let supply = || (0..refills).map(move |i| next_id + i as u64);
     let mut left = supply();
-    let mut exchanged = None;
-    let redispatched = redispatching.try_redispatch(&mut permit, |waiting| {
-        let Some(next) = left.next() else {
-            return false;
-        };
-        exchanged = Some(std::mem::replace(waiting, next));
-        true
-    });
+    let redispatched = redispatching
+        .try_redispatch(&mut permit)
+        .map(|mut redispatch| {
+            // As the engine does: the next message, if there is one, goes into
+            // the slot in exchange for the one the permit now runs.
+            match left.next() {
+                Some(next) => {
+                    let message = std::mem::replace(redispatch.waiting(), next);
+                    redispatch.refilled();
+                    message
+                }
+                None => redispatch.take(),
+            }
+        });
     let taken = refills - left.len();
     plain.release(plain_permit);
     let mut plain_left = supply();
     let plain_pick = plain.try_dispatch_refilling(|_| plain_left.next());
     let plain_taken = refills - plain_left.len();
-    let message = match redispatched {
-        Redispatch::Refused => {
-            prop_assert_eq!(taken, 0, "no re-dispatch, no refill");
-            // Then the caller ends the message as usual.
-            redispatching.release(permit);
-            let mut left = supply();
-            let pick = redispatching.try_dispatch_refilling(|_| left.next());
-            prop_assert_eq!(refills - left.len(), plain_taken, "refills taken");
-            prop_assert_eq!(
-                pick.as_ref().map(|p| shown(&p.permit, p.message)),
-                plain_pick.as_ref().map(|p| shown(&p.permit, p.message))
-            );
-            return Ok(pick.zip(plain_pick).map(|(a, b)| (a.permit, b.permit)));
-        }
-        Redispatch::Refilled { .. } => exchanged.expect("a refill exchanged the message"),
-        Redispatch::Taken(message) => {
-            prop_assert!(exchanged.is_none(), "taken after an exchange");
-            message
-        }
+    let Some(message) = redispatched else {
+        prop_assert_eq!(taken, 0, "no re-dispatch, no refill");
+        // Then the caller ends the message as usual.
+        redispatching.release(permit);
+        let mut left = supply();
+        let pick = redispatching.try_dispatch_refilling(|_| left.next());
+        prop_assert_eq!(refills - left.len(), plain_taken, "refills taken");
+        prop_assert_eq!(
+            pick.as_ref().map(|p| shown(&p.permit, p.message)),
+            plain_pick.as_ref().map(|p| shown(&p.permit, p.message))
+        );
+        return Ok(pick.zip(plain_pick).map(|(a, b)| (a.permit, b.permit)));
     };
     prop_assert_eq!(taken, plain_taken, "refills taken");
     let Some(plain_pick) = plain_pick else {
@@ -523,9 +522,18 @@ fn end_both(
     Ok(Some((permit, plain_pick.permit)))
 }
 
-fn check_twins(concurrency: usize, ops: Vec<TwinOp>) -> Result<(), TestCaseError> {
-    let concurrency = NonZeroUsize::new(concurrency).unwrap();
-    let (mut a, mut b) = (Scheduler::new(concurrency), Scheduler::new(concurrency));
+fn check_twins(
+    concurrency: usize,
+    reserved: Option<i64>,
+    ops: Vec<TwinOp>,
+) -> Result<(), TestCaseError> {
+    let permits = NonZeroUsize::new(concurrency).unwrap();
+    let (mut a, mut b) = (Scheduler::new(permits), Scheduler::new(permits));
+    // A permit kept for a priority or better, where there is one to keep.
+    if let Some(priority) = reserved.filter(|_| concurrency > 1) {
+        a.reserve(priority, 1);
+        b.reserve(priority, 1);
+    }
     let mut keys = Vec::new();
     let mut in_flight: Vec<(Permit, Permit)> = Vec::new();
     let mut next_id = 0u64;
@@ -616,8 +624,9 @@ proptest! {
     #[test]
     fn a_redispatch_is_a_release_and_a_dispatch(
         concurrency in 1usize..4,
+        reserved in proptest::option::of(0i64..3),
         ops in proptest::collection::vec(twin_op(), 1..150),
     ) {
-        check_twins(concurrency, ops)?;
+        check_twins(concurrency, reserved, ops)?;
     }
 }

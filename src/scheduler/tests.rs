@@ -717,26 +717,19 @@ fn a_redispatch_takes_the_lone_subscriptions_next_message_under_the_same_permit(
     let mut s = scheduler(1);
     let only = s.add_subscription(0);
     s.try_insert(only, "1").unwrap();
-    let pick = s.try_dispatch_refilling(|_| Some("2")).unwrap();
-    let mut permit = pick.permit;
-    let mut ran = pick.message;
-    let redispatched = s.try_redispatch(&mut permit, |waiting| {
-        ran = std::mem::replace(waiting, "3");
-        true
-    });
-    assert_eq!(redispatched, Redispatch::Refilled { next_in_line: true });
-    assert_eq!(ran, "2");
+    let mut permit = s.try_dispatch_refilling(|_| Some("2")).unwrap().permit;
+    let mut redispatch = s.try_redispatch(&mut permit).expect("2 is next");
+    assert_eq!(std::mem::replace(redispatch.waiting(), "3"), "2");
+    assert!(redispatch.refilled(), "still alone at its level");
+    assert_eq!((s.in_flight(), s.waiting()), (1, 1));
+    // Dropped unsettled: nothing changes.
+    drop(s.try_redispatch(&mut permit).expect("3 is next"));
     assert_eq!((s.in_flight(), s.waiting()), (1, 1));
     // No next message: the slot's is taken out, and the slot left empty.
-    assert_eq!(
-        s.try_redispatch(&mut permit, |_| false),
-        Redispatch::Taken("3")
-    );
+    let redispatch = s.try_redispatch(&mut permit).expect("3 is next");
+    assert_eq!(redispatch.take(), "3");
     assert_eq!((s.in_flight(), s.waiting()), (1, 0));
-    assert_eq!(
-        s.try_redispatch(&mut permit, |_| unreachable!()),
-        Redispatch::Refused
-    );
+    assert!(s.try_redispatch(&mut permit).is_none(), "nothing waits");
     s.release(permit);
     assert!(s.is_idle());
 }
@@ -748,27 +741,19 @@ fn a_redispatch_is_refused_when_a_release_and_a_pick_would_choose_otherwise() {
     s.try_insert(a, "a1").unwrap();
     s.try_insert(b, "b1").unwrap();
     let mut first = s.try_dispatch_refilling(|_| Some("a2")).unwrap().permit;
-    assert_eq!(
-        s.try_redispatch(&mut first, |_| unreachable!()),
-        Redispatch::Refused,
+    assert!(
+        s.try_redispatch(&mut first).is_none(),
         "a permit is still free"
     );
     let second = s.try_dispatch_refilling(|_| None::<&str>).unwrap().permit;
     // a2 is the only ready message: a takes it under its own permit.
-    let mut ran = "";
-    let redispatched = s.try_redispatch(&mut first, |waiting| {
-        ran = std::mem::replace(waiting, "a3");
-        true
-    });
-    assert_eq!(redispatched, Redispatch::Refilled { next_in_line: true });
-    assert_eq!(ran, "a2");
+    let mut redispatch = s.try_redispatch(&mut first).expect("a2 is next");
+    assert_eq!(std::mem::replace(redispatch.waiting(), "a3"), "a2");
+    assert!(redispatch.refilled());
     // A better subscription's message waits: it goes first.
     let better = s.add_subscription(0);
     s.try_insert(better, "better").unwrap();
-    assert_eq!(
-        s.try_redispatch(&mut first, |_| unreachable!()),
-        Redispatch::Refused
-    );
+    assert!(s.try_redispatch(&mut first).is_none());
     s.release(first);
     let pick = s.try_dispatch_refilling(|_| None::<&str>).unwrap();
     assert_eq!(pick.message, "better");
