@@ -626,8 +626,9 @@ impl<T: Transport> Engine<T> {
         }))
     }
 
-    /// Receives the subscription's next message into `into`, an empty box,
-    /// while the dispatcher still receives; returns whether one was stored. What else the receive
+    /// Receives the subscription's next message into `into`, an empty box;
+    /// returns whether one was stored. The caller has checked that the
+    /// dispatcher runs and the subscription receives. What else the receive
     /// gave goes to `not_stored`, as for [`receive_next`](Self::receive_next).
     #[inline(always)]
     fn receive_into(
@@ -636,9 +637,6 @@ impl<T: Transport> Engine<T> {
         into: &mut MessageBox,
         not_stored: &mut Option<Received>,
     ) -> bool {
-        if self.phase() != Phase::Running || !subscription.is_receiving() {
-            return false;
-        }
         if !subscription.receive_or(into, |received| *not_stored = Some(received)) {
             return false;
         }

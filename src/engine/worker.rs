@@ -736,7 +736,11 @@ impl<T: Transport> Job<T> {
             // The consumer cannot reach the scheduler, which this holds;
             // a panic in it drops the re-dispatch unsettled.
             ended.clear();
-            if engine.receive_into(subscription, ended, &mut not_stored) {
+            // The engine runs (checked above); a paused subscription takes
+            // nothing more from its consumer.
+            if subscription.is_receiving()
+                && engine.receive_into(subscription, ended, &mut not_stored)
+            {
                 std::mem::swap(ended, &mut redispatch.waiting().message);
                 *next_in_line = redispatch.refilled();
             } else {
