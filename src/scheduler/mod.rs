@@ -128,6 +128,7 @@ impl Permit {
 
 /// What [`Scheduler::try_dispatch_refilling`] picked.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Pick<M> {
     /// The message's permit.
     pub permit: Permit,
