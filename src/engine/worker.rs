@@ -748,12 +748,14 @@ impl<T: Transport> Job<T> {
                 engine.keep_spare(std::mem::replace(ended, next));
                 *next_in_line = false;
             }
+            // From here the job is the next message's: unsettled, so that
+            // however it ends now, its message is nacked if not settled.
+            *finished = false;
         }
         bump(&subscription.counters.dispatched);
         if let Some(received) = not_stored.take() {
             engine.after_receive(subscription, received);
         }
-        *finished = false;
         true
     }
 

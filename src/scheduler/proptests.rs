@@ -430,7 +430,10 @@ enum TwinOp {
         limit: Option<usize>,
         ordering: u8,
     },
-    Insert(usize),
+    Insert {
+        subscription: usize,
+        key: Option<u64>,
+    },
     Dispatch,
     /// Ends the in-flight message at this index (modulo), and dispatches
     /// with a refill of this many messages.
@@ -448,7 +451,8 @@ fn twin_op() -> impl Strategy<Value = TwinOp> {
     prop_oneof![
         1 => (0i64..3, proptest::option::of(1usize..3), 0u8..3)
             .prop_map(|(priority, limit, ordering)| TwinOp::Add { priority, limit, ordering }),
-        5 => (0usize..6).prop_map(TwinOp::Insert),
+        5 => (0usize..6, proptest::option::of(0u64..3))
+            .prop_map(|(subscription, key)| TwinOp::Insert { subscription, key }),
         3 => Just(TwinOp::Dispatch),
         6 => (0usize..8, 0usize..3)
             .prop_map(|(which, refills)| TwinOp::EndAndDispatch { which, refills }),
@@ -555,12 +559,13 @@ fn check_twins(
                 prop_assert_eq!(key, b.add(config));
                 keys.push(key);
             }
-            TwinOp::Insert(which) => {
-                let Some(&key) = keys.get(which) else {
+            TwinOp::Insert { subscription, key } => {
+                let Some(&subscription) = keys.get(subscription) else {
                     continue;
                 };
-                let inserted = a.try_insert(key, next_id).is_ok();
-                prop_assert_eq!(inserted, b.try_insert(key, next_id).is_ok());
+                let inserted = a.try_insert_keyed(subscription, next_id, key).is_ok();
+                let twin_inserted = b.try_insert_keyed(subscription, next_id, key).is_ok();
+                prop_assert_eq!(inserted, twin_inserted);
                 next_id += 1;
             }
             TwinOp::Dispatch => match (a.try_dispatch(), b.try_dispatch()) {
@@ -628,5 +633,21 @@ proptest! {
         ops in proptest::collection::vec(twin_op(), 1..150),
     ) {
         check_twins(concurrency, reserved, ops)?;
+    }
+
+    /// As above, with a key buffer added first and fed most messages, so
+    /// that its keys are often busy while slots around it re-dispatch
+    /// (a key buffer itself is never offered a re-dispatch).
+    #[test]
+    fn a_redispatch_beside_a_busy_key_buffer_is_a_release_and_a_dispatch(
+        concurrency in 1usize..4,
+        ops in proptest::collection::vec(twin_op(), 1..150),
+        keys in proptest::collection::vec(0u64..3, 40),
+    ) {
+        let first = TwinOp::Add { priority: 0, limit: None, ordering: 1 };
+        let fed = keys.into_iter().map(|key| TwinOp::Insert { subscription: 0, key: Some(key) });
+        // The key buffer's messages among the other operations.
+        let mixed = ops.into_iter().zip(fed).flat_map(|(op, insert)| [insert, op]);
+        check_twins(concurrency, None, std::iter::once(first).chain(mixed).collect())?;
     }
 }
