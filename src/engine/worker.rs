@@ -690,8 +690,9 @@ impl<T: Transport> Job<T> {
     /// Takes, once settled, its subscription's next message, with the
     /// permit it holds, when ending and dispatching would pick that message
     /// under that permit (see [`Scheduler::try_redispatch`]) and nothing
-    /// else waits on its end: no consumer woke, no job handed over waits to
-    /// start, the engine runs and the subscription stays. The box of the
+    /// else waits on its end: no consumer woke, no job of a better priority
+    /// handed over waits to start, the engine runs and the subscription
+    /// stays. The box of the
     /// message it ends takes the subscription's next message, and goes to
     /// the slot in exchange for the slot's. Returns false, having changed
     /// nothing, otherwise; the job then ends as usual. Its worker asks only
@@ -717,7 +718,6 @@ impl<T: Transport> Job<T> {
         if !*finished
             || engine.aging
             || engine.woken.any()
-            || engine.handovers.get() != 0
             || engine.phase() != Phase::Running
             || subscription.is_removing()
         {
@@ -733,6 +733,12 @@ impl<T: Transport> Job<T> {
             let Some(mut redispatch) = scheduler.try_redispatch(permit) else {
                 return false;
             };
+            // A job picked now would let such a message start first (see
+            // `Job::new`); this one starts at once, so it leaves it to
+            // the usual way.
+            if engine.better_handover_pending(redispatch.priority()) {
+                return false;
+            }
             // The consumer cannot reach the scheduler, which this holds;
             // a panic in it drops the re-dispatch unsettled.
             ended.clear();

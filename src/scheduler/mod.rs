@@ -168,6 +168,13 @@ impl<M> std::fmt::Debug for Redispatch<'_, M> {
 }
 
 impl<M> Redispatch<'_, M> {
+    /// The priority the permit's next message would run at: its
+    /// subscription's, now.
+    #[inline(always)]
+    pub fn priority(&self) -> i64 {
+        self.scheduler.levels[self.level].priority
+    }
+
     /// The message waiting in the slot, the one the permit goes to.
     #[inline(always)]
     pub fn waiting(&mut self) -> &mut M {
