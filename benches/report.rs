@@ -1446,6 +1446,9 @@ fn profile(what: &str) {
         "ours-keyed-unordered" => on_local(support::ours(
             workload.keyed(64, MessageOrdering::Unordered),
         )),
+        "ours-ordered" => on_local(support::ours(
+            workload.keyed(0, MessageOrdering::Subscription),
+        )),
         scaled if scaled.starts_with("ours-k") => {
             // ours-k<subscriptions>[-l<levels>], e.g. ours-k1000-l16.
             let spec = &scaled["ours-k".len()..];

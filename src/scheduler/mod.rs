@@ -139,9 +139,11 @@ pub struct Pick<M> {
     pub refill_called: bool,
     /// Whether a permit is still free after this pick.
     pub permits_left: bool,
-    /// Whether the subscription holds a slot (not a key buffer) and is
-    /// ready and alone in its level's ready queue after this pick, its next
-    /// message so next in line there: a hint that
+    /// Whether the subscription holds a slot (not a key buffer) whose next
+    /// message is next in line at its level after this pick: it is ready
+    /// and alone in its level's ready queue, or its slot is full and it is
+    /// at its in-flight limit (one at a time, say) with no other ready at
+    /// its level. A hint that
     /// [`Scheduler::try_redispatch`] may hand this permit to that message
     /// when this one ends (it checks everything again).
     pub next_in_line: bool,
@@ -196,11 +198,14 @@ impl<M> Redispatch<'_, M> {
         } = &mut self.scheduler.levels[self.level];
         // The subscription may have moved level since the permit's pick.
         self.permit.priority = *priority;
-        let alone = ready.len() == 1;
-        if !alone {
+        // Queued, it is at the front: alone, it stays; otherwise it goes
+        // to the back. At its in-flight limit, it stays out of the queues,
+        // and its level's is empty.
+        let next_in_line = ready.len() <= 1;
+        if !next_in_line {
             ready.rotate_left(1);
         }
-        alone
+        next_in_line
     }
 
     /// The subscription had no next message: the slot's message is taken
@@ -208,12 +213,16 @@ impl<M> Redispatch<'_, M> {
     pub fn take(self) -> M {
         let scheduler = self.scheduler;
         let subscription = &mut scheduler.subscriptions[self.permit.subscription.0];
+        let queued = subscription.queued;
         let Some(slotted) = subscription.held.take_next() else {
             unreachable!("a re-dispatch is offered for a full slot")
         };
         scheduler.waiting -= 1;
         self.permit.priority = scheduler.levels[self.level].priority;
-        scheduler.pop_ready(self.level);
+        // Out of the queue now, as a subscription at its limit already is.
+        if queued {
+            scheduler.pop_ready(self.level);
+        }
         slotted.message
     }
 }
@@ -631,9 +640,15 @@ impl<M> Scheduler<M> {
             }
         }));
         let still_ready = subscription.is_ready();
+        // Only a slot's next message can be re-dispatched: one alone at
+        // its level, or one at its in-flight limit whose level has no
+        // other (see `try_redispatch`).
         let slot = matches!(subscription.held, Held::Slot(_));
-        // Only a slot's next message can be re-dispatched.
-        let next_in_line = self.after_pick_at_front(level, still_ready) && slot;
+        let full_at_limit = matches!(subscription.held, Held::Slot(Some(_)))
+            && subscription.in_flight == subscription.limit;
+        let alone = self.after_pick_at_front(level, still_ready);
+        let next_in_line =
+            slot && (alone || !still_ready && full_at_limit && self.levels[level].ready.is_empty());
         if let Err(panic) = refilled {
             std::panic::resume_unwind(panic);
         }
@@ -644,10 +659,12 @@ impl<M> Scheduler<M> {
     /// own subscription's next message, when that is the message
     /// [`release`](Self::release) followed by
     /// [`try_dispatch_refilling`](Self::try_dispatch_refilling) would pick
-    /// under it: no other permit is free, the policy is strict, and the
-    /// subscription's slot holds a message at the front of the best ready
-    /// level, which leaves no permit to better levels. `None` otherwise
-    /// (then release the permit and dispatch as usual).
+    /// under it, and nothing more: the policy is strict, the subscription's
+    /// slot holds a message, and either it is at the front of the best
+    /// ready level, which leaves no permit to better levels, with no other
+    /// permit free, or it is at its in-flight limit with nothing ready at
+    /// its level or a better one (see `next_at_its_limit`). `None`
+    /// otherwise (then release the permit and dispatch as usual).
     ///
     /// Nothing changes until the [`Redispatch`] returned is settled: its
     /// slot's message is exchanged in place for the subscription's next one
@@ -667,19 +684,54 @@ impl<M> Scheduler<M> {
         let Level {
             ready, to_leave, ..
         } = &self.levels[level];
-        let same_pick = self.available == 0
-            && subscription.queued
-            && matches!(subscription.held, Held::Slot(Some(_)))
+        let queued = subscription.queued;
+        let open = matches!(subscription.held, Held::Slot(Some(_)))
             && !self.closed
-            && matches!(self.policy, SchedulingPolicy::Strict)
-            && *to_leave == 0
-            && ready.front() == Some(&key)
-            && first_set_bit(&self.ready_levels, 0) == Some(level);
-        same_pick.then_some(Redispatch {
+            && matches!(self.policy, SchedulingPolicy::Strict);
+        // Queued, the pick after the release is the front of the best ready
+        // level, with the only permit free.
+        let same_pick = if queued {
+            open && self.available == 0
+                && *to_leave == 0
+                && ready.front() == Some(&key)
+                && first_set_bit(&self.ready_levels, 0) == Some(level)
+        } else {
+            open && self.next_at_its_limit(key)
+        };
+        if !same_pick {
+            return None;
+        }
+        Some(Redispatch {
             scheduler: self,
             permit,
             level,
         })
+    }
+
+    /// [`try_redispatch`](Self::try_redispatch) for a subscription with a
+    /// full slot that is out of the ready queues: whether it is at its
+    /// in-flight limit (one at a time, say), so that the release puts it at
+    /// the back of its level's queue, and the pick that follows takes it
+    /// and no other: nothing is ready at its level or a better one, and
+    /// either no other permit is free or nothing is ready anywhere (a round
+    /// with permits left picks on). Out of line: the common re-dispatch is
+    /// a queued subscription's.
+    #[cold]
+    #[inline(never)]
+    fn next_at_its_limit(&self, key: SubscriptionKey) -> bool {
+        let subscription = &self.subscriptions[key.0];
+        let level = subscription.level;
+        // After the release, `available + 1` permits are free, which must
+        // be more than its level leaves to better ones.
+        if subscription.in_flight != subscription.limit
+            || self.available < self.levels[level].to_leave
+        {
+            return false;
+        }
+        match first_set_bit(&self.ready_levels, 0) {
+            None => true,
+            Some(best) => self.available == 0 && best > level,
+        }
     }
 
     /// Stores a message refilled within a pick into `held`, which has room

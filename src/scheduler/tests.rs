@@ -761,3 +761,43 @@ fn a_redispatch_is_refused_when_a_release_and_a_pick_would_choose_otherwise() {
         s.release(permit);
     }
 }
+
+#[test]
+fn a_subscription_at_its_in_flight_limit_redispatches_when_its_next_message_would_be_picked() {
+    let one_at_a_time = |priority| SubscriptionConfig {
+        ordering: Ordering::Subscription,
+        ..SubscriptionConfig::new(priority)
+    };
+    let mut s = scheduler(2);
+    s.reserve(0, 1);
+    let ordered = s.add(one_at_a_time(5));
+    let high = s.add_subscription(0);
+    s.try_insert(ordered, "o1").unwrap();
+    let mut first = s.try_dispatch_refilling(|_| Some("o2")).unwrap();
+    assert_eq!(first.message, "o1");
+    assert!(
+        first.next_in_line,
+        "o2 waits, at the limit, with no other at its level"
+    );
+    // With the other permit free and nothing else ready, o2 follows o1.
+    let mut redispatch = s.try_redispatch(&mut first.permit).expect("o2 is next");
+    assert_eq!(std::mem::replace(redispatch.waiting(), "o3"), "o2");
+    assert!(redispatch.refilled());
+    assert_eq!((s.in_flight(), s.waiting()), (1, 1));
+    // The last free permit is kept for priority 0: a release would leave
+    // o3 waiting, so it is not re-dispatched either.
+    s.try_insert(high, "h1").unwrap();
+    let second = s.try_dispatch().unwrap();
+    assert_eq!(second.1, "h1");
+    assert!(s.try_redispatch(&mut first.permit).is_none());
+    s.release(first.permit);
+    assert!(
+        s.try_dispatch().is_none(),
+        "o3 waits for the reserved permit"
+    );
+    s.release(second.0);
+    let (last, message) = s.try_dispatch().unwrap();
+    assert_eq!(message, "o3");
+    s.release(last);
+    assert!(s.is_idle());
+}
