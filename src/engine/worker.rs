@@ -692,12 +692,13 @@ impl<T: Transport> Job<T> {
     /// under that permit (see [`Scheduler::try_redispatch`]) and nothing
     /// else waits on its end: no consumer woke, no job of a better priority
     /// handed over waits to start, the engine runs and the subscription
-    /// stays. The box of the
-    /// message it ends takes the subscription's next message, and goes to
-    /// the slot in exchange for the slot's. Returns false, having changed
-    /// nothing, otherwise; the job then ends as usual. Its worker asks only
-    /// when the job's hint says its subscription's next message was next in
-    /// line, and with no job queued behind this one, which must run first.
+    /// stays. The box of the message it ends takes the subscription's next
+    /// message, and goes to the slot in exchange for the slot's. Returns
+    /// false, having changed nothing, otherwise; the job then ends as usual.
+    /// Its worker asks only when the job's hint says its subscription's next
+    /// message was next in line, and with no job queued behind this one,
+    /// which must run first. (The scheduler refuses under any policy but
+    /// strict, the aging one's rounds among them.)
     ///
     /// The common end of a job in a busy dispatcher: it skips the job's
     /// drop, its permit's round trip, the building of the next job and the
@@ -716,7 +717,6 @@ impl<T: Transport> Job<T> {
             ..
         } = self;
         if !*finished
-            || engine.aging
             || engine.woken.any()
             || engine.phase() != Phase::Running
             || subscription.is_removing()

@@ -143,9 +143,9 @@ pub struct Pick<M> {
     /// message is next in line at its level after this pick: it is ready
     /// and alone in its level's ready queue, or its slot is full and it is
     /// at its in-flight limit (one at a time, say) with no other ready at
-    /// its level. A hint that
-    /// [`Scheduler::try_redispatch`] may hand this permit to that message
-    /// when this one ends (it checks everything again).
+    /// its level. A hint that [`Scheduler::try_redispatch`] may hand this
+    /// permit to that message when this one ends (it checks everything
+    /// again).
     pub next_in_line: bool,
 }
 
