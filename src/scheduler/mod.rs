@@ -203,7 +203,7 @@ impl<M> Redispatch<'_, M> {
         // and its level's is empty.
         let next_in_line = ready.len() <= 1;
         if !next_in_line {
-            ready.rotate_left(1);
+            front_to_back(ready);
         }
         next_in_line
     }
@@ -799,7 +799,7 @@ impl<M> Scheduler<M> {
         let ready = &mut self.levels[level].ready;
         let alone = ready.len() == 1;
         if !alone {
-            ready.rotate_left(1);
+            front_to_back(ready);
         }
         alone
     }
@@ -1127,6 +1127,19 @@ fn empty_ready_level() -> ! {
 #[inline(never)]
 fn nothing_to_run() -> ! {
     panic!("a ready subscription holds a message that may run")
+}
+
+/// Moves a ready queue's front subscription to its back, as a pop and a
+/// push would. Not `VecDeque::rotate_left(1)`: that is a call and a
+/// general copy, about 50 instructions per pick with 1000 subscriptions at
+/// one level (callgrind, `--profile ours-k1000`), against a few here. The
+/// queue keeps its room (it never holds more than its level's members), so
+/// the push never reallocates.
+#[inline(always)]
+fn front_to_back(ready: &mut VecDeque<SubscriptionKey>) {
+    if let Some(front) = ready.pop_front() {
+        ready.push_back(front);
+    }
 }
 
 /// The index of the first set bit at or after `from`.
