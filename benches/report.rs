@@ -18,6 +18,10 @@
 //!   pick under each policy, weighted shares at saturation, the lowest
 //!   level's longest wait under aging, key ordering against unordered, and
 //!   dispatch with a Prometheus recorder or an `info` subscriber installed;
+//! - instructions per message (`report/instructions.rs`): ours, the floor,
+//!   the plain loop, 1000 subscriptions and key ordering, each workload
+//!   once under callgrind, where `valgrind` is installed; `--instructions`
+//!   runs this part alone;
 //! - on the broker at `PULSAR_URL` (skipped with `--no-e2e`, see
 //!   `report/e2e.rs`): ours against a plain `pulsar` consumer loop, the
 //!   library's Pulsar transport in a plain loop, and the Python original,
@@ -50,6 +54,8 @@ mod support;
 mod e2e;
 #[path = "report/features.rs"]
 mod features;
+#[path = "report/instructions.rs"]
+mod instructions;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -197,6 +203,16 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Some(at) = args.iter().position(|a| a == "--profile") {
         profile(args.get(at + 1).map(String::as_str).unwrap_or("ours"));
+        return;
+    }
+    if args.iter().any(|a| a == "--instructions") {
+        // The instruction counts alone: what a change to the code did to
+        // them, in about two minutes.
+        let mut report = Map::new();
+        instructions::run(&mut report);
+        for row in instruction_rows(&Figures(&report)) {
+            println!("{:<34} {:>16}  {}", row.name, row.figure, row.comparison);
+        }
         return;
     }
     if !args.iter().any(|a| a == "--bench") {
@@ -434,6 +450,7 @@ fn run(options: &Options) -> Map<String, Value> {
     inversions_report(&sizes, &mut report);
     per_core_report(&sizes, &mut report);
     features::run(&sizes.features, &mut report);
+    instructions::run(&mut report);
     if options.e2e {
         e2e::run(&sizes, &mut report);
     }
@@ -1062,6 +1079,7 @@ fn print_table(report: &Map<String, Value>) {
     let figures = Figures(report);
     let sections = [
         cost_rows(&figures),
+        instruction_rows(&figures),
         latency_rows(&figures),
         scheduling_rows(&figures),
         broker_rows(&figures),
@@ -1167,6 +1185,49 @@ fn cost_rows(f: &Figures) -> Vec<Row> {
             String::new(),
             "<= 1.3x",
             f.check("scaling_1000_vs_1_16_levels", |r| r <= 1.3),
+        ),
+    ]
+}
+
+/// In memory, counted by callgrind (see `report/instructions.rs`): the
+/// ratios of the cost rows above in instructions, shown beside the CPU
+/// times they do not replace.
+fn instruction_rows(f: &Figures) -> Vec<Row> {
+    let count = |name: &str| {
+        f.0.get("instructions_per_msg")
+            .and_then(|counts| counts.get(name))
+            .and_then(Value::as_f64)
+    };
+    vec![
+        Row::shown(
+            "instructions/msg, ours",
+            show(count("ours"), "instr"),
+            format!(
+                "ours/plain {} ours/floor {}",
+                f.show("dispatch_vs_plain_loop_instructions", "x")
+                    .trim_start(),
+                f.show("dispatch_vs_floor_instructions", "x").trim_start()
+            ),
+        ),
+        Row::shown(
+            "instructions, 1000 subs vs 1",
+            f.show("scaling_1000_vs_1_instructions", "x"),
+            format!(
+                "16 levels {}, plain loop {}",
+                f.show("scaling_1000_vs_1_16_levels_instructions", "x")
+                    .trim_start(),
+                f.show("plain_loop_scaling_1000_vs_1_instructions", "x")
+                    .trim_start()
+            ),
+        ),
+        Row::shown(
+            "instructions, key ordering",
+            f.show("key_ordering_vs_unordered_instructions", "x"),
+            format!(
+                "keyed {} unordered {}",
+                show(count("ours_keyed"), "").trim(),
+                show(count("ours_keyed_unordered"), "").trim()
+            ),
         ),
     ]
 }
@@ -1427,15 +1488,19 @@ fn smoke() {
     );
     assert!(latency::per_core(2, 200, 10) > Duration::ZERO);
     features::smoke();
+    instructions::smoke();
     println!("report: smoke run passed (run with --bench for figures)");
 }
+
+/// How many messages a `--profile` run sends (the in-memory workloads).
+const PROFILE_MESSAGES: usize = 50_000;
 
 fn profile(what: &str) {
     if let Some(run) = e2e::profile(what) {
         println!("{run}");
         return;
     }
-    let messages = 50_000;
+    let messages = PROFILE_MESSAGES;
     let workload = Workload::new(1, 20, messages);
     let elapsed = match what {
         "ours" => on_local(support::ours(workload)),

@@ -1,8 +1,8 @@
 //! `cargo xtask bench [--quick] [--criterion]`: the whole comparison in one
 //! go.
 //!
-//! Installs what is missing (protoc, the Python virtualenv with the Python
-//! original), starts a broker unless one answers, and runs the comparison
+//! Installs what is missing (protoc, valgrind, the Python virtualenv with
+//! the Python original), starts a broker unless one answers, and runs the comparison
 //! bench (`cargo bench --bench report`), which measures ours against the
 //! `spawn_local` floor, a plain receive-handle-ack loop, the multi-threaded
 //! port and the Python original in memory (CPU and wall time per message,
@@ -34,6 +34,11 @@ pub fn cmd_bench(paths: &Paths, args: &[String]) -> Result<(), String> {
     }
     let begun = Instant::now();
     setup::ensure_protoc()?;
+    // Without it the report leaves its instruction counts out, which is
+    // no reason to stop the rest.
+    if let Err(missing) = setup::ensure_valgrind() {
+        info(&format!("no instruction counts in the report: {missing}"));
+    }
     let python = setup::ensure_python_env(paths)?;
     let addr = BrokerAddr::from_env()?;
     // Dropping `started` stops the broker, on every way out of this function.

@@ -48,6 +48,12 @@ pub fn ensure_openssl() -> Result<(), String> {
     ensure_tool("openssl", "openssl", "")
 }
 
+/// Installs Debian's valgrind when `valgrind` is not on PATH: the bench
+/// counts instructions per message with callgrind.
+pub fn ensure_valgrind() -> Result<(), String> {
+    ensure_tool("valgrind", "valgrind", "")
+}
+
 /// Installs the Debian package `package` with apt-get when `tool` is not on
 /// PATH (as root only; otherwise fails saying what to install).
 fn ensure_tool(tool: &str, package: &str, otherwise: &str) -> Result<(), String> {
