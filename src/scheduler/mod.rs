@@ -198,14 +198,9 @@ impl<M> Redispatch<'_, M> {
         } = &mut self.scheduler.levels[self.level];
         // The subscription may have moved level since the permit's pick.
         self.permit.priority = *priority;
-        // Queued, it is at the front: alone, it stays; otherwise it goes
-        // to the back. At its in-flight limit, it stays out of the queues,
-        // and its level's is empty.
-        let next_in_line = ready.len() <= 1;
-        if !next_in_line {
-            front_to_back(ready);
-        }
-        next_in_line
+        // Queued, it is at the front and takes its turn. At its in-flight
+        // limit, it stays out of the queues, and its level's is empty.
+        take_turn(ready)
     }
 
     /// The subscription had no next message: the slot's message is taken
@@ -796,12 +791,7 @@ impl<M> Scheduler<M> {
             self.pop_ready(level);
             return false;
         }
-        let ready = &mut self.levels[level].ready;
-        let alone = ready.len() == 1;
-        if !alone {
-            front_to_back(ready);
-        }
-        alone
+        take_turn(&mut self.levels[level].ready)
     }
 
     /// A pick at `level` costs its turn one dispatch (weighted policy).
@@ -1129,17 +1119,24 @@ fn nothing_to_run() -> ! {
     panic!("a ready subscription holds a message that may run")
 }
 
-/// Moves a ready queue's front subscription to its back, as a pop and a
-/// push would. Not `VecDeque::rotate_left(1)`: that is a call and a
-/// general copy, about 50 instructions per pick with 1000 subscriptions at
-/// one level (callgrind, `--profile ours-k1000`), against a few here. The
-/// queue keeps its room (it never holds more than its level's members), so
-/// the push never reallocates.
+/// The front subscription of a ready queue has taken its turn: it moves
+/// to the back, as a pop and a push would, unless it is alone there.
+/// Returns whether it is alone (or the queue empty: a subscription at its
+/// in-flight limit is out of it), the case of [`Pick::next_in_line`].
+/// Not `VecDeque::rotate_left(1)`: that is a call and a general copy,
+/// about 50 instructions per pick with 1000 subscriptions at one level
+/// (callgrind, `--profile ours-k1000`), against a few here. The queue keeps
+/// its room (it never holds more than its level's members), so the push
+/// never reallocates.
 #[inline(always)]
-fn front_to_back(ready: &mut VecDeque<SubscriptionKey>) {
-    if let Some(front) = ready.pop_front() {
-        ready.push_back(front);
+fn take_turn(ready: &mut VecDeque<SubscriptionKey>) -> bool {
+    let alone = ready.len() <= 1;
+    if !alone {
+        if let Some(front) = ready.pop_front() {
+            ready.push_back(front);
+        }
     }
+    alone
 }
 
 /// The index of the first set bit at or after `from`.
