@@ -207,7 +207,7 @@ fn main() {
     }
     if args.iter().any(|a| a == "--instructions") {
         // The instruction counts alone: what a change to the code did to
-        // them, in about two minutes.
+        // them, in seconds once built.
         let mut report = Map::new();
         instructions::run(&mut report);
         for row in instruction_rows(&Figures(&report)) {
