@@ -37,7 +37,8 @@
 //! every message acknowledged, no allocation per message in steady state,
 //! no priority inversion.
 //!
-//! `--profile WHAT` runs one workload once (for `valgrind --tool=callgrind`):
+//! `--profile WHAT [--messages N]` runs one workload once (for
+//! `valgrind --tool=callgrind`; 50,000 messages unless N says otherwise):
 //! `ours`, `ours-k1000`, `ours-k1000-l16`, `ours-keyed` (64 keys, key
 //! ordering), `ours-keyed-unordered`, `ours-info` and `ours-prometheus`
 //! (ours with an `info` subscriber or a Prometheus recorder installed),
@@ -202,7 +203,16 @@ const LOADS: [u32; 4] = [10, 50, 80, 95];
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Some(at) = args.iter().position(|a| a == "--profile") {
-        profile(args.get(at + 1).map(String::as_str).unwrap_or("ours"));
+        let messages = args
+            .iter()
+            .position(|a| a == "--messages")
+            .and_then(|at| args.get(at + 1))
+            .map(|n| n.parse().expect("--messages takes a count"))
+            .unwrap_or(PROFILE_MESSAGES);
+        profile(
+            args.get(at + 1).map(String::as_str).unwrap_or("ours"),
+            messages,
+        );
         return;
     }
     if args.iter().any(|a| a == "--instructions") {
@@ -1492,15 +1502,15 @@ fn smoke() {
     println!("report: smoke run passed (run with --bench for figures)");
 }
 
-/// How many messages a `--profile` run sends (the in-memory workloads).
+/// How many messages a `--profile` run sends (the in-memory workloads),
+/// unless `--messages N` says.
 const PROFILE_MESSAGES: usize = 50_000;
 
-fn profile(what: &str) {
+fn profile(what: &str, messages: usize) {
     if let Some(run) = e2e::profile(what) {
         println!("{run}");
         return;
     }
-    let messages = PROFILE_MESSAGES;
     let workload = Workload::new(1, 20, messages);
     let elapsed = match what {
         "ours" => on_local(support::ours(workload)),

@@ -1,14 +1,20 @@
 //! Instructions per message, counted by callgrind: the in-memory workloads
-//! the targets compare, each run once (`--profile WHAT`, 50,000 messages)
-//! under `valgrind --tool=callgrind`, counting only inside
-//! `LocalSet::tick`, where the tasks that do the work run (ours' workers
-//! and engine, the spawn floor's tasks, the plain loop's task) and none of
-//! the setup (subscribing, sending the backlog). A count moves by about 1%
-//! between runs where this machine's times move by 10-30%, so the ratios
-//! here say whether a change to the code moved a target, whatever the
-//! machine was doing; they sit beside the CPU times, which stay the
-//! targets' measure. Skipped, with a note, where `valgrind` is missing
-//! (`cargo xtask bench` installs it).
+//! the targets compare, each run under `valgrind --tool=callgrind`
+//! (`--profile WHAT --messages N`), counting only inside `LocalSet::tick`,
+//! where the tasks that do the work run (ours' workers and engine, the
+//! spawn floor's tasks, the plain loop's task) and none of the setup
+//! (subscribing, sending the backlog). Each workload runs twice, with
+//! 50,000 and with 100,000 messages, and the count per message is the
+//! difference over the 50,000 more: what each further message costs. A
+//! run's fixed costs (the dispatcher's start and shutdown, the metrics it
+//! publishes for every subscription then) cancel out; the timed runs leave
+//! the shutdown out too, and spread the start over more messages per
+//! subscription than 50 (1000 subscriptions, 50,000 messages) would. A
+//! count moves by about 1% between runs where this machine's times move
+//! by 10-30%, so the ratios here say whether a change to the code moved a
+//! target, whatever the machine was doing; they sit beside the CPU times,
+//! which stay the targets' measure. Skipped, with a note, where `valgrind`
+//! is missing (`cargo xtask bench` installs it).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -62,11 +68,10 @@ pub fn run(report: &mut Map<String, Value>) {
     let exe = std::env::current_exe().expect("the bench binary's path");
     let mut counts = Map::new();
     for (name, profile) in PROFILES {
-        match count(&exe, profile) {
-            Ok(instructions) => {
-                let per_msg = instructions as f64 / PROFILE_MESSAGES as f64;
+        match marginal(&exe, profile) {
+            Ok(Marginal { per_msg, per_run }) => {
                 super::emit(json!({"bench": "instructions", "profile": profile,
-                    "per_msg": per_msg}));
+                    "per_msg": per_msg, "fixed_per_run": per_run}));
                 counts.insert(name.to_string(), json!(per_msg));
             }
             Err(error) => eprintln!("instructions: {profile}: {error}"),
@@ -90,10 +95,33 @@ fn valgrind_found() -> bool {
         .is_ok_and(|status| status.success())
 }
 
-/// The instructions `profile` runs inside `LocalSet::tick`.
-fn count(exe: &Path, profile: &str) -> Result<u64, String> {
+/// A workload's count split into what each message adds and what a run
+/// costs whatever its length.
+struct Marginal {
+    per_msg: f64,
+    per_run: f64,
+}
+
+/// Counts `profile` at `PROFILE_MESSAGES` and at twice as many.
+fn marginal(exe: &Path, profile: &str) -> Result<Marginal, String> {
+    let short = count(exe, profile, PROFILE_MESSAGES)? as f64;
+    let long = count(exe, profile, 2 * PROFILE_MESSAGES)? as f64;
+    Ok(split(short, long, PROFILE_MESSAGES))
+}
+
+/// `short` counted over `messages`, `long` over twice as many.
+fn split(short: f64, long: f64, messages: usize) -> Marginal {
+    let per_msg = (long - short) / messages as f64;
+    Marginal {
+        per_msg,
+        per_run: (short - per_msg * messages as f64).round(),
+    }
+}
+
+/// The instructions `profile` runs inside `LocalSet::tick` over `messages`.
+fn count(exe: &Path, profile: &str, messages: usize) -> Result<u64, String> {
     let out = std::env::temp_dir().join(format!(
-        "pulsar-dispatcher-callgrind-{}-{profile}.out",
+        "pulsar-dispatcher-callgrind-{}-{profile}-{messages}.out",
         std::process::id()
     ));
     let status = Command::new("valgrind")
@@ -101,7 +129,7 @@ fn count(exe: &Path, profile: &str) -> Result<u64, String> {
         .arg("--toggle-collect=*LocalSet::tick*")
         .arg(format!("--callgrind-out-file={}", out.display()))
         .arg(exe)
-        .args(["--profile", profile])
+        .args(["--profile", profile, "--messages", &messages.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -129,4 +157,6 @@ pub fn smoke() {
     let text = "events: Ir\nsummary: 28679099\nfn=(1)\n0 5\ntotals: 28679099\n";
     assert_eq!(totals(text), Some(28_679_099));
     assert_eq!(totals("events: Ir\n"), None);
+    let Marginal { per_msg, per_run } = split(1_500.0, 2_500.0, 100);
+    assert_eq!((per_msg, per_run), (10.0, 500.0));
 }
