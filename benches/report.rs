@@ -20,8 +20,9 @@
 //!   dispatch with a Prometheus recorder or an `info` subscriber installed;
 //! - instructions per message (`report/instructions.rs`): ours, the floor,
 //!   the plain loop, 1000 subscriptions and key ordering, each workload
-//!   once under callgrind, where `valgrind` is installed; `--instructions`
-//!   runs this part alone;
+//!   under callgrind at two lengths, the count being what a further
+//!   message adds, where `valgrind` is installed; `--instructions` runs
+//!   this part alone;
 //! - on the broker at `PULSAR_URL` (skipped with `--no-e2e`, see
 //!   `report/e2e.rs`): ours against a plain `pulsar` consumer loop, the
 //!   library's Pulsar transport in a plain loop, and the Python original,
@@ -217,7 +218,7 @@ fn main() {
     }
     if args.iter().any(|a| a == "--instructions") {
         // The instruction counts alone: what a change to the code did to
-        // them, in seconds once built.
+        // them, in half a minute once built.
         let mut report = Map::new();
         instructions::run(&mut report);
         for row in instruction_rows(&Figures(&report)) {

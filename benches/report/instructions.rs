@@ -64,7 +64,7 @@ pub fn run(report: &mut Map<String, Value>) {
         eprintln!("instructions: valgrind not found; skipped (cargo xtask bench installs it)");
         return;
     }
-    eprintln!("instructions: each workload once under callgrind");
+    eprintln!("instructions: each workload twice under callgrind (50,000 and 100,000 messages)");
     let exe = std::env::current_exe().expect("the bench binary's path");
     let mut counts = Map::new();
     for (name, profile) in PROFILES {
