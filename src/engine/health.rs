@@ -90,7 +90,7 @@ impl<T: Transport> Engine<T> {
                 .iter()
                 .map(|subscription| subscription.health(now))
                 .collect(),
-            in_flight: self.scheduler.borrow().running(),
+            in_flight: self.running(),
         }
     }
 }

@@ -266,7 +266,7 @@ impl<T: Transport> Engine<T> {
             };
             self.give_back(&subscription, message);
         }
-        let running = self.scheduler.borrow().running();
+        let running = self.running();
         warn!(
             running,
             "shutdown deadline passed; cancelling the handlers still running"

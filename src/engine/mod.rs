@@ -324,9 +324,27 @@ pub(crate) struct Engine<T: Transport> {
     /// `None` with metrics off.
     permits_gauge: Option<metrics::SummedGauge>,
     phase: Cell<Phase>,
+    /// Permits kept by workers over a runtime turn with their ended jobs
+    /// (see [`Engine::rest`]): taken, but no handler running.
+    resting: Cell<usize>,
     /// The first unexpected failure; `run()` returns it.
     failure: RefCell<Option<Error>>,
     closed: Notify,
+}
+
+/// A permit resting (see [`Engine::rest`]) while this lives; also when its
+/// worker is cancelled during its turn.
+pub(crate) struct Resting<'a, T: Transport> {
+    engine: &'a Engine<T>,
+    subscription: &'a Subscription<T>,
+}
+
+impl<T: Transport> Drop for Resting<'_, T> {
+    fn drop(&mut self) {
+        self.engine.resting.set(self.engine.resting.get() - 1);
+        let resting = &self.subscription.resting;
+        resting.set(resting.get() - 1);
+    }
 }
 
 /// What the handles of the public API may do with an engine, without its
@@ -423,6 +441,7 @@ impl<T: Transport> Engine<T> {
                 .map(|_| metrics::permits_available()),
             phase: Cell::new(Phase::Idle),
             failure: RefCell::default(),
+            resting: Cell::new(0),
             closed: Notify::new(),
         }
     }
@@ -768,6 +787,27 @@ impl<T: Transport> Engine<T> {
             permit: self.scheduler.borrow_mut().hold(),
         };
         tokio::task::yield_now().await;
+    }
+
+    /// Counts, until the guard returned is dropped, the permit of a job of
+    /// `subscription` that has ended, settled, as resting rather than as a
+    /// running handler, in the stats and the health, as a permit held by
+    /// [`step_aside`](Self::step_aside) is: its worker keeps the job over a
+    /// runtime turn, so that the subscription's next message may still
+    /// follow on in it after the turn.
+    pub(crate) fn rest<'a>(&'a self, subscription: &'a Subscription<T>) -> Resting<'a, T> {
+        self.resting.set(self.resting.get() + 1);
+        subscription.resting.set(subscription.resting.get() + 1);
+        Resting {
+            engine: self,
+            subscription,
+        }
+    }
+
+    /// Handlers running: the permits taken by dispatched messages whose
+    /// processing has not ended (neither held nor resting).
+    pub(crate) fn running(&self) -> usize {
+        self.scheduler.borrow().running() - self.resting.get()
     }
 
     /// Returns a permit. The worker whose job ended dispatches next itself;

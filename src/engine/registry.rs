@@ -245,10 +245,11 @@ impl<T: Transport> Engine<T> {
             .iter()
             .map(|subscription| self.stats_of(subscription))
             .collect();
+        let running = self.running();
         let scheduler = self.scheduler.borrow();
         DispatcherStats {
             subscriptions,
-            in_flight: scheduler.running(),
+            in_flight: running,
             waiting: scheduler.waiting(),
             concurrency: scheduler.in_flight() + scheduler.available(),
         }
@@ -258,7 +259,8 @@ impl<T: Transport> Engine<T> {
     pub(super) fn stats_of(&self, subscription: &Subscription<T>) -> SubscriptionStats {
         let scheduler = self.scheduler.borrow();
         let (waiting, in_flight) = scheduler.load(subscription.key);
-        subscription.stats(scheduler.priority(subscription.key), waiting, in_flight)
+        let running = in_flight - subscription.resting.get();
+        subscription.stats(scheduler.priority(subscription.key), waiting, running)
     }
 
     /// Moves a subscription to another priority; false if it is gone.

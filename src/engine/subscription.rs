@@ -120,6 +120,9 @@ pub(crate) struct Subscription<T: Transport> {
     last_received: Cell<(u64, Option<Instant>)>,
     /// Deadlines of its handlers running with a processing deadline.
     deadlines: RefCell<Vec<Instant>>,
+    /// Permits of its ended jobs kept by workers over a runtime turn (see
+    /// `Engine::rest`): taken, but no handler of its running.
+    pub(crate) resting: Cell<usize>,
 }
 
 /// What a subscription records: timings (its latency histograms, also to
@@ -222,6 +225,7 @@ impl<T: Transport> Subscription<T> {
             timings: recording.timings.then(Timings::default),
             last_received: Cell::new((0, None)),
             deadlines: RefCell::default(),
+            resting: Cell::new(0),
         }
     }
 

@@ -17,7 +17,9 @@
 //! go to their pools' idle workers. An idle worker offers to dispatch when a
 //! consumer wakes (see `wake`), and runs what it picks the same way. Every
 //! few messages a worker yields to the runtime, so that the broker
-//! connection's tasks and timers keep running.
+//! connection's tasks and timers keep running; when the next message may
+//! follow on, it keeps the ended job over that turn, its permit counted as
+//! resting (see `Engine::rest`).
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -160,12 +162,21 @@ where
             left_in_poll -= 1;
             // The hint first: false for a key-ordered subscription, and
             // for one that takes turns with others at its level.
-            if job.next_in_line
-                && left_in_poll != 0
-                && inbox.queue.borrow().is_empty()
-                && job.follow_on()
-            {
-                continue;
+            if job.next_in_line && inbox.queue.borrow().is_empty() {
+                if left_in_poll == 0 {
+                    // The runtime's turn, the ended job kept: its message
+                    // handled and settled, its permit resting, no key
+                    // busy (a key buffer is never next in line), so that
+                    // nothing waits on it, and the next message may still
+                    // follow on (`follow_on` checks again what the turn
+                    // may have changed).
+                    left_in_poll = JOBS_PER_POLL;
+                    let _resting = engine.rest(&job.subscription);
+                    tokio::task::yield_now().await;
+                }
+                if job.follow_on() {
+                    continue;
+                }
             }
             current = None;
             if left_in_poll == 0 {

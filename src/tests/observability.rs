@@ -1,6 +1,7 @@
 //! Observability on the in-memory transport: timings in the stats, metrics
 //! through the `metrics` facade, health, and the per-message span.
 
+use std::cell::Cell;
 use std::io::Write;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
@@ -635,6 +636,69 @@ fn handlers_running_leave_out_permits_kept_between_messages() {
             *disagreed.borrow(),
             [],
             "(stats, health, sum over subscriptions)"
+        );
+    });
+}
+
+/// A worker that takes the runtime's turn after its share of messages
+/// keeps its ended job, so that the next message may follow on in it; the
+/// permit it keeps meanwhile is no running handler. With one permit and
+/// handlers that never wait, no handler runs whenever another task does,
+/// once the first has run (the first may wait handed over to the worker
+/// being spawned): a monitor task sees none running at any of its turns,
+/// in the stats, the health or the subscriptions' sum, while 200 messages
+/// pass and the worker takes six turns.
+#[test]
+fn a_worker_taking_a_turn_between_messages_runs_no_handler() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(1);
+        for _ in 0..200 {
+            transport.send("jobs", "ok");
+        }
+        let handled = Rc::new(Cell::new(0usize));
+        let counter = handled.clone();
+        let handler = async move |_: &Message| {
+            counter.set(counter.get() + 1);
+            Ok::<(), std::convert::Infallible>(())
+        };
+        dispatcher
+            .subscribe("jobs", handler, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let monitor = {
+            let dispatcher = dispatcher.clone();
+            tokio::task::spawn_local(async move {
+                let (mut turns_mid_backlog, mut seen_running) = (0, Vec::new());
+                while handled.get() < 200 {
+                    if (1..200).contains(&handled.get()) {
+                        turns_mid_backlog += 1;
+                        let stats = dispatcher.stats();
+                        let running = (
+                            stats.in_flight,
+                            dispatcher.health().in_flight,
+                            stats.total().in_flight,
+                        );
+                        if running != (0, 0, 0) {
+                            seen_running.push((handled.get(), running));
+                        }
+                    }
+                    tokio::task::yield_now().await;
+                }
+                (turns_mid_backlog, seen_running)
+            })
+        };
+        let run = spawn_run(&dispatcher);
+        let (turns, seen_running) = monitor.await.unwrap();
+        transport.wait_acked("jobs", 200).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        // Mid-backlog, the monitor runs only while the worker takes a turn.
+        assert!(turns > 0, "the monitor never ran mid-backlog");
+        assert_eq!(
+            seen_running,
+            [],
+            "(handled, (stats, health, subscription stats)) while no handler ran"
         );
     });
 }
