@@ -175,6 +175,7 @@ pub async fn ours_counted(
     } = workload;
     assert!(subscriptions > 0 && levels > 0 && warmup < messages.max(1));
     let transport = MemoryTransport::new();
+    transport.reserve_events(messages);
     let dispatcher = Dispatcher::builder()
         .concurrency(concurrency)
         .build(transport.clone())
@@ -381,6 +382,7 @@ pub async fn plain_loop_counted(
     allocations: Option<fn() -> u64>,
 ) -> (Duration, Option<f64>) {
     let transport = MemoryTransport::new();
+    transport.reserve_events(messages);
     let topics: Vec<String> = (0..subscriptions)
         .map(|index| format!("plain-loop-{index}"))
         .collect();
