@@ -88,6 +88,12 @@ impl ErrorClass {
     }
 
     /// Errors for which `predicate` returns true.
+    ///
+    /// The predicate gets the handler's error as converted to a
+    /// [`HandlerError`](crate::HandlerError); an `anyhow::Error` comes in a
+    /// wrapper of the dispatcher's whose `source()` is the error anyhow
+    /// wraps, so a predicate that looks for a type walks the `source()`
+    /// chain, as [`ErrorClass::of`] does.
     pub fn matching(
         predicate: impl Fn(&(dyn StdError + 'static)) -> bool + Send + Sync + 'static,
     ) -> Self {

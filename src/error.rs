@@ -297,15 +297,22 @@ pub enum Error {
 /// An error and its `source()` chain for logs: `outer: inner: root`. The
 /// usual error types (thiserror's `#[source]`, anyhow's context) leave the
 /// cause out of their own `Display`, and a log line without it says what
-/// failed but not why.
+/// failed but not why. A cause whose text repeats the error before it (a
+/// wrapper that shows what it wraps, such as a handler's `anyhow::Error`)
+/// is shown once.
 pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
 
 impl std::fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
+        let mut shown = self.0.to_string();
+        f.write_str(&shown)?;
         let mut source = self.0.source();
         while let Some(cause) = source {
-            write!(f, ": {cause}")?;
+            let text = cause.to_string();
+            if text != shown {
+                write!(f, ": {text}")?;
+            }
+            shown = text;
             source = cause.source();
         }
         Ok(())
@@ -329,6 +336,18 @@ mod tests {
         );
         let refused = TransportError::Closed;
         assert_eq!(ErrorChain(&refused).to_string(), "the transport is closed");
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{0}")]
+    struct ShowsWhatItWraps(#[source] Busy);
+
+    #[test]
+    fn a_cause_that_repeats_the_error_before_it_is_shown_once() {
+        let busy = Busy(std::io::Error::other("warehouse busy"));
+        assert_eq!(ErrorChain(&busy).to_string(), "warehouse busy");
+        let wrapped = ShowsWhatItWraps(Busy(std::io::Error::other("refused")));
+        assert_eq!(ErrorChain(&wrapped).to_string(), "warehouse busy: refused");
     }
 
     #[test]

@@ -86,6 +86,12 @@
 //!   are read (Snappy written by Pulsar's other clients excepted: the crate
 //!   reads only its framed format; the README's "Compressed, chunked
 //!   and encrypted messages" says what happens to such a message).
+//! - `anyhow` (default): handlers may return `anyhow::Error` and still be
+//!   routed by [`ErrorClass::of`]: the error an `anyhow::Error` was made
+//!   from, its context and their sources are all in the chain a class
+//!   looks at (anyhow's own conversion to `Box<dyn Error>` hides the
+//!   first). Without it an `anyhow::Error` still converts, and is classed
+//!   by its sources alone.
 //!
 //! # Layout
 //!

@@ -486,15 +486,24 @@ impl SubscribeOptions {
             Some(policy) => Some(policy.dead_letter_topic.clone()),
             None => self.default_dead_letter_topic(topic),
         };
-        if dead_letter_topic.is_none() {
-            let needs =
-                "needs a dead letter topic: set a subscription name or a dead_letter_policy";
-            if self.fatal_errors.is_some() {
-                return Err(invalid("fatal_errors", needs));
+        let dead_letters_from = if self.fatal_errors.is_some() {
+            Some("fatal_errors")
+        } else if self.max_retries.is_some() {
+            Some("max_retries")
+        } else {
+            None
+        };
+        match (&dead_letter_topic, dead_letters_from) {
+            (None, Some(option)) => {
+                return Err(invalid(
+                    option,
+                    "needs a dead letter topic: set a subscription name or a dead_letter_policy",
+                ))
             }
-            if self.max_retries.is_some() {
-                return Err(invalid("max_retries", needs));
+            (Some(default), Some(option)) if is_non_persistent(default) => {
+                return Err(invalid(option, &non_persistent_default(default)))
             }
+            _ => {}
         }
         let retry = match (&self.retry_topic, &self.retry_errors) {
             (Some(retry_topic), Some(errors)) => Some(RetryPolicy {
@@ -530,11 +539,19 @@ impl SubscribeOptions {
             return Ok(None);
         };
         let dead_letter_topic = if policy.dead_letter_topic.is_empty() {
-            self.default_dead_letter_topic(topic)
-                .ok_or_else(|| Error::InvalidOption {
+            let default =
+                self.default_dead_letter_topic(topic)
+                    .ok_or_else(|| Error::InvalidOption {
+                        option: "dead_letter_policy",
+                        reason: "needs a dead_letter_topic or a subscription name".to_owned(),
+                    })?;
+            if is_non_persistent(&default) {
+                return Err(Error::InvalidOption {
                     option: "dead_letter_policy",
-                    reason: "needs a dead_letter_topic or a subscription name".to_owned(),
-                })?
+                    reason: non_persistent_default(&default),
+                });
+            }
+            default
         } else {
             let dead_letter_topic =
                 persistent_topic("dead_letter_policy", &policy.dead_letter_topic)?;
@@ -561,6 +578,14 @@ impl SubscribeOptions {
             .as_ref()
             .map(|subscription| format!("{topic}-{subscription}-DLQ"))
     }
+}
+
+/// Why the default dead letter topic of a non-persistent topic, itself
+/// non-persistent, is refused (as a named one would be).
+fn non_persistent_default(default: &str) -> String {
+    format!(
+        "the default dead letter topic, {default}, is non-persistent like its topic and keeps nothing for a subscriber that is not connected: set a dead_letter_policy with a persistent dead_letter_topic"
+    )
 }
 
 /// The full name of a topic an option names; a malformed one is refused

@@ -8,7 +8,10 @@
 use pulsar::SubType;
 
 /// The error type handlers' errors are converted to. Any `std::error::Error`
-/// converts, as do `String`, `&str` and `anyhow::Error`. A
+/// converts, as do `String`, `&str` and `anyhow::Error` (with the `anyhow`
+/// feature, on by default, its whole chain stays visible to
+/// [`ErrorClass`](crate::ErrorClass): the error it was made from, its
+/// context and their sources). A
 /// `Box<dyn Error + Send + Sync>` (tower's `BoxError`) does not convert by
 /// itself (the standard library has no such `From`): coerce it with
 /// `.map_err(|e| e as HandlerError)`.
@@ -70,16 +73,62 @@ impl std::fmt::Display for Deadline {
 
 impl Outcome {
     /// The outcome of a handler's result.
-    pub(crate) fn of<R: IntoReply, E: Into<HandlerError>>(result: Result<R, E>) -> Self {
+    pub(crate) fn of<R: IntoReply, E: Into<HandlerError> + 'static>(result: Result<R, E>) -> Self {
         match result {
             Ok(reply) => Outcome::Succeeded(reply.into_reply()),
-            Err(error) => Outcome::Failed(error.into()),
+            Err(error) => Outcome::Failed(handler_error(error)),
         }
     }
 
     /// The outcome of a handler that panicked with `payload`.
     pub(crate) fn panicked(payload: &(dyn std::any::Any + Send)) -> Self {
         Outcome::Panicked(panic_text(payload))
+    }
+}
+
+/// A handler's error as a [`HandlerError`]. An `anyhow::Error` is kept
+/// whole in an [`AnyhowError`] rather than converted by anyhow's own
+/// `From`, whose box forwards `source()` to the wrapped error's source and
+/// so hides the wrapped error itself: `ErrorClass::of` could never match a
+/// handler's `Err(Busy.into())`, and the message would be nacked where the
+/// user asked for a retry or a dead letter.
+fn handler_error<E: Into<HandlerError> + 'static>(error: E) -> HandlerError {
+    #[cfg(feature = "anyhow")]
+    {
+        let mut error = Some(error);
+        let anyhow = (&mut error as &mut dyn std::any::Any)
+            .downcast_mut::<Option<anyhow::Error>>()
+            .and_then(Option::take);
+        if let Some(anyhow) = anyhow {
+            return Box::new(AnyhowError(anyhow));
+        }
+        error
+            .expect("taken only when it is an anyhow::Error")
+            .into()
+    }
+    #[cfg(not(feature = "anyhow"))]
+    error.into()
+}
+
+/// An `anyhow::Error` a handler returned. Its text is the error's own, and
+/// its `source()` is the error anyhow wraps (the one it was made from, or
+/// its outermost context), so that the chain holds every error in it.
+/// Logs leave its text out once, as a repeat of its source's.
+#[cfg(feature = "anyhow")]
+#[derive(Debug)]
+struct AnyhowError(anyhow::Error);
+
+#[cfg(feature = "anyhow")]
+impl std::fmt::Display for AnyhowError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+#[cfg(feature = "anyhow")]
+impl std::error::Error for AnyhowError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
     }
 }
 
@@ -113,4 +162,54 @@ pub struct SubscriptionInfo {
     pub priority: i64,
     /// The full name of the retry topic, if failures may be retried.
     pub retry_topic: Option<String>,
+}
+
+#[cfg(all(test, feature = "anyhow"))]
+mod tests {
+    use anyhow::Context;
+
+    use super::*;
+    use crate::error::ErrorChain;
+    use crate::ErrorClass;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("warehouse busy")]
+    struct Busy;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("invalid order")]
+    struct Invalid;
+
+    fn failed(result: anyhow::Result<()>) -> HandlerError {
+        match Outcome::of(result) {
+            Outcome::Failed(error) => error,
+            _ => panic!("an Err is a failure"),
+        }
+    }
+
+    #[test]
+    fn an_anyhow_error_is_classed_by_what_it_was_made_from() {
+        let busy = ErrorClass::of::<Busy>();
+        let made_from = failed(Err(Busy.into()));
+        assert!(busy.matches(made_from.as_ref()));
+        assert!(!ErrorClass::of::<Invalid>().matches(made_from.as_ref()));
+        let with_context = failed(Err(Busy).context("reserving stock"));
+        assert!(busy.matches(with_context.as_ref()));
+        // anyhow's own conversion hides it: why the dispatcher converts.
+        let anyhows_own: HandlerError = anyhow::Error::from(Busy).into();
+        assert!(!busy.matches(anyhows_own.as_ref()));
+    }
+
+    #[test]
+    fn an_anyhow_error_is_logged_with_its_context_once() {
+        let made_from = failed(Err(Busy.into()));
+        assert_eq!(ErrorChain(made_from.as_ref()).to_string(), "warehouse busy");
+        let with_context = failed(Err(Busy).context("reserving stock"));
+        assert_eq!(
+            ErrorChain(with_context.as_ref()).to_string(),
+            "reserving stock: warehouse busy"
+        );
+        let message = failed(Err(anyhow::anyhow!("no such customer")));
+        assert_eq!(ErrorChain(message.as_ref()).to_string(), "no such customer");
+    }
 }

@@ -298,6 +298,48 @@ fn retries_count_up_and_end_in_the_original_dead_letter_topic() {
     });
 }
 
+/// `failing`, with anyhow's error type and context.
+#[cfg(feature = "anyhow")]
+async fn failing_with_anyhow(message: &Message) -> anyhow::Result<()> {
+    use anyhow::Context;
+    match message.payload() {
+        b"invalid" => Err(InvalidOrder.into()),
+        b"unavailable" => Err(ServiceUnavailable).context("reserving stock"),
+        // Once: nacked, it would come back for ever.
+        b"other" if message.redelivery_count() == Some(0) => Err(anyhow::anyhow!("something else")),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(feature = "anyhow")]
+#[test]
+fn anyhow_errors_are_routed_by_the_error_they_were_made_from() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let invalid = send(&transport, "orders", "invalid");
+        let unavailable = send(&transport, "orders", "unavailable");
+        let other = send(&transport, "orders", "other");
+        dispatcher
+            .subscribe("orders", failing_with_anyhow, routed_options())
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("orders", 3).await).await;
+        let dead = transport.published(DLQ);
+        assert_eq!(dead.len(), 1);
+        assert_eq!(
+            dead[0].property(ORIGIN_MESSAGE_ID),
+            Some(invalid.to_string().as_str())
+        );
+        let retries = transport.published(RETRY);
+        assert_eq!(retries.len(), 1);
+        assert_eq!(
+            retries[0].property(ORIGIN_MESSAGE_ID),
+            Some(unavailable.to_string().as_str())
+        );
+        assert_eq!(transport.nacked("orders"), vec![other]);
+    });
+}
+
 #[test]
 fn an_untrusted_dead_letter_topic_property_is_ignored() {
     run_local(async {
@@ -678,6 +720,70 @@ fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
             .subscribe("orders", failing, with_policy)
             .await
             .unwrap();
+    });
+}
+
+#[test]
+fn a_non_persistent_topic_needs_a_persistent_dead_letter_topic_named() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let topic = "non-persistent://public/default/ticks";
+        let any = || ErrorClass::matching(|_| true);
+        let named = SubscribeOptions::new().subscription("s");
+        // Each would dead-letter to non-persistent://...-s-DLQ, which keeps
+        // nothing for a subscriber that is not connected, and ack the
+        // original once published there.
+        let cases: Vec<(&str, SubscribeOptions)> = vec![
+            ("fatal_errors", named.clone().fatal_errors(any())),
+            (
+                "max_retries",
+                named
+                    .clone()
+                    .retry_errors(any())
+                    .retry_topic("ticks-retry")
+                    .max_retries(2),
+            ),
+            (
+                "dead_letter_policy",
+                named.clone().dead_letter_policy(DeadLetterPolicy {
+                    max_redeliver_count: 3,
+                    dead_letter_topic: String::new(),
+                }),
+            ),
+        ];
+        for (option, options) in cases {
+            let refused = dispatcher.subscribe(topic, failing, options).await;
+            let Err(Error::InvalidOption {
+                option: named,
+                reason,
+            }) = &refused
+            else {
+                panic!("expected {option} to be refused: {refused:?}");
+            };
+            assert_eq!(*named, option);
+            assert!(
+                reason.contains("non-persistent://public/default/ticks-s-DLQ"),
+                "the reason names the default topic: {reason}"
+            );
+        }
+        assert_eq!(transport.open_consumers(), 0);
+        // Without dead letters, or with a persistent one named, it is fine.
+        dispatcher
+            .subscribe(topic, failing, named.clone())
+            .await
+            .unwrap();
+        let to_persistent = SubscribeOptions::new()
+            .subscription("t")
+            .fatal_errors(any())
+            .dead_letter_policy(DeadLetterPolicy {
+                max_redeliver_count: 3,
+                dead_letter_topic: "ticks-dlq".into(),
+            });
+        dispatcher
+            .subscribe(topic, failing, to_persistent)
+            .await
+            .unwrap();
+        assert_eq!(dispatcher.subscriptions().len(), 2);
     });
 }
 
