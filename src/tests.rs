@@ -601,11 +601,12 @@ fn nacks_wait_out_the_negative_ack_delay_but_not_shutdown() {
         tokio::time::pause();
         let (dispatcher, transport) = dispatcher(5);
         let first = transport.send("jobs", "a");
+        // The default delay: a minute, as in Pulsar's other clients.
         dispatcher
             .subscribe(
                 "jobs",
                 async |_: &Message| Err::<(), _>("always fails"),
-                SubscribeOptions::new().negative_ack_redelivery_delay(Duration::from_secs(60)),
+                SubscribeOptions::new(),
             )
             .await
             .unwrap();
@@ -629,6 +630,26 @@ fn nacks_wait_out_the_negative_ack_delay_but_not_shutdown() {
         run.await.unwrap().unwrap();
         assert!(closing_at.elapsed() < Duration::from_secs(1));
         assert_eq!(transport.nacked("jobs"), [first.clone(), first]);
+    });
+}
+
+#[test]
+fn defaults_are_the_python_originals() {
+    run_local(async {
+        let transport = MemoryTransport::new();
+        let dispatcher = Dispatcher::builder().build(transport.clone()).unwrap();
+        assert_eq!(dispatcher.stats().concurrency, 20);
+        let options = SubscribeOptions::new();
+        let consumer = options.resolve("jobs").unwrap().consumer;
+        assert_eq!(consumer.receiver_queue_size, 1);
+        dispatcher
+            .subscribe("jobs", recorder(&Log::default(), "jobs"), options)
+            .await
+            .unwrap();
+        let info = &dispatcher.subscriptions()[0];
+        assert_eq!(info.priority, 100);
+        assert_eq!(info.subscription_type, pulsar::SubType::Exclusive);
+        assert_eq!(info.subscription, None);
     });
 }
 

@@ -263,6 +263,53 @@ impl LogCapture {
 }
 
 #[test]
+fn retry_topic_problems_are_warned_about_unless_ignored() {
+    use crate::RetryTopicCheck;
+    let retried = || {
+        SubscribeOptions::new()
+            .subscription("s")
+            .subscription_type(SubType::Shared)
+            .retry_errors(ErrorClass::matching(|_| true))
+            .retry_topic("orders-retry")
+    };
+    // Nothing consumes orders-retry: warned at start, and for a
+    // subscription added while running, with the same problem.
+    let problem = "persistent://public/default/orders-retry";
+    for check in [RetryTopicCheck::Warn, RetryTopicCheck::Ignore] {
+        let logs = LogCapture::start("pulsar_dispatcher=warn");
+        run_local(async {
+            let dispatcher = Dispatcher::builder()
+                .retry_topic_check(check)
+                .build(MemoryTransport::new())
+                .unwrap();
+            dispatcher
+                .subscribe("orders", async |_: &Message| Ok::<_, &str>(()), retried())
+                .await
+                .unwrap();
+            let dispatcher = Rc::new(dispatcher);
+            let run = spawn_run(&dispatcher);
+            settle_down().await;
+            dispatcher
+                .subscribe("refunds", async |_: &Message| Ok::<_, &str>(()), retried())
+                .await
+                .unwrap();
+            dispatcher.close().await;
+            run.await.unwrap().unwrap();
+        });
+        let output = logs.output();
+        let warnings = output
+            .lines()
+            .filter(|line| line.contains("retry topic check") && line.contains(problem))
+            .count();
+        match check {
+            // Once at start for orders, then for both once refunds joins.
+            RetryTopicCheck::Warn => assert_eq!(warnings, 3, "{output}"),
+            _ => assert_eq!(warnings, 0, "{output}"),
+        }
+    }
+}
+
+#[test]
 fn handlers_and_settlement_run_inside_a_span_per_message() {
     let logs = LogCapture::start("pulsar_dispatcher=debug");
     run_local(async {

@@ -501,6 +501,33 @@ fn replies_are_published_before_the_ack_and_only_when_returned() {
 }
 
 #[test]
+fn reply_bytes_without_a_reply_topic_are_dropped_and_the_message_acked() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let id = transport.send("images", "cat");
+        dispatcher
+            .subscribe(
+                "images",
+                async |message: &Message| {
+                    Ok::<_, std::convert::Infallible>([b"thumb-", message.payload()].concat())
+                },
+                SubscribeOptions::new(),
+            )
+            .await
+            .unwrap();
+        run_until(dispatcher, async |t| t.wait_acked("images", 1).await).await;
+        assert_eq!(transport.acked("images"), [id]);
+        assert!(transport.producers_created().is_empty());
+        let published = transport
+            .events()
+            .iter()
+            .filter(|e| matches!(e, Event::Published { .. }))
+            .count();
+        assert_eq!(published, 0);
+    });
+}
+
+#[test]
 fn a_failed_reply_nacks_so_the_handler_runs_again() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(4);
