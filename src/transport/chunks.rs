@@ -146,8 +146,11 @@ impl ChunkedMessages {
             let oldest = self.assembling.pop_front().expect("at the limit");
             given_up.extend(oldest.into_chunk_ids());
         }
+        // What the first chunk announces, within the limit, but never less
+        // than the chunk itself (which may be larger than the limit where a
+        // broker takes entries of more than 16 MiB).
         let total = metadata.total_chunk_msg_size.unwrap_or(0).max(0) as usize;
-        let mut payload = Vec::with_capacity(total.clamp(data.len(), RESERVE_LIMIT));
+        let mut payload = Vec::with_capacity(total.min(RESERVE_LIMIT).max(data.len()));
         payload.extend_from_slice(&data);
         self.assembling.push_back(Assembly {
             partition,
@@ -317,6 +320,24 @@ mod tests {
             assembled,
             Assembled::Complete("ab".into(), vec![(0, id(1))])
         );
+    }
+
+    #[test]
+    fn a_first_chunk_larger_than_the_reserve_limit_is_taken() {
+        let mut chunked = ChunkedMessages::default();
+        let mut given_up = Vec::new();
+        let mut first = chunk("u", 0, 2);
+        first.total_chunk_msg_size = Some(i32::MAX);
+        let large = vec![b'a'; RESERVE_LIMIT + 1];
+        let held = chunked.accept(0, &id(1), &first, large, &mut given_up);
+        assert_eq!(held, Assembled::Held);
+        let last = chunked.accept(0, &id(2), &chunk("u", 1, 2), b"b".to_vec(), &mut given_up);
+        let Assembled::Complete(payload, others) = last else {
+            panic!("the message is whole");
+        };
+        assert_eq!(payload.len(), RESERVE_LIMIT + 2);
+        assert_eq!(others, vec![(0, id(1))]);
+        assert!(given_up.is_empty());
     }
 
     #[test]
