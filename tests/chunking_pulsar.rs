@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::{
     close_and_join, fresh_topic, run_local, start, unique_name, wait_for_empty_backlog, TopicKind,
 };
-use pulsar_dispatcher::{Message, SubType, SubscribeOptions};
+use pulsar_dispatcher::{Message, MessageId, SubType, SubscribeOptions};
 
 /// The producer's chunk size: every message above it is chunked.
 const CHUNK_BYTES: usize = 1000;
@@ -224,5 +224,128 @@ fn a_chunked_message_is_retried_and_dead_lettered_whole() {
         assert_eq!(runs[1].0, retry_topic, "{runs:?}");
         assert!(runs.iter().all(|(_, len)| *len == 3500), "{runs:?}");
         assert_eq!(*dead.borrow(), [3500]);
+    });
+}
+
+/// The broker delivers again, on their own, the last chunks of a chunked
+/// message acked moments before, as it does when the tail of the message's
+/// acks was lost with a connection (here a reset of the cursor to its
+/// next-to-last chunk, which also drops the consumer's connection): they
+/// are acked again, not given up and nacked for ever, and nothing is
+/// handled twice. On plain and partitioned topics, Exclusive and Failover
+/// (where each nack rewinds the whole subscription) and Key_Shared. Not on
+/// Shared: there the broker (4.2.4) stalls the subscription on a chunk whose
+/// first chunk is acked and delivers nothing more (apache/pulsar#26395).
+#[test]
+fn chunks_of_an_acked_message_delivered_again_alone_are_acked_again() {
+    run_local(Duration::from_secs(180), async {
+        let dispatcher = common::dispatcher().await;
+        let subscription = unique_name("orphan-chunks-sub");
+        let mut cases = Vec::new();
+        for kind in [TopicKind::Plain, TopicKind::Partitioned(2)] {
+            for subscription_type in [SubType::Exclusive, SubType::Failover, SubType::KeyShared] {
+                cases.push(Case {
+                    topic: fresh_topic("orphan-chunks", kind),
+                    kind,
+                    subscription_type,
+                });
+            }
+        }
+        // Per delivered topic (a partition's own name), each payload's name
+        // and its message id.
+        let handled: Rc<RefCell<Vec<(String, String, MessageId)>>> = Rc::default();
+        for case in &cases {
+            let handled = handled.clone();
+            let handler = async move |message: &Message| {
+                let payload = String::from_utf8_lossy(message.payload());
+                handled.borrow_mut().push((
+                    message.topic().to_owned(),
+                    name_of(&payload).to_owned(),
+                    message.id().clone(),
+                ));
+                Ok::<_, std::convert::Infallible>(())
+            };
+            let options = SubscribeOptions::new()
+                .subscription(&subscription)
+                .subscription_type(case.subscription_type)
+                .negative_ack_redelivery_delay(Duration::from_millis(100));
+            dispatcher
+                .subscribe(&case.topic, handler, options)
+                .await
+                .unwrap();
+        }
+        let run = start(&dispatcher);
+        // A chunked message of four chunks, then a whole one with the same
+        // key (the same partition), after it.
+        let big = format!("big-{}", "z".repeat(3996));
+        let messages = cases
+            .iter()
+            .flat_map(|case| {
+                let key = Some("one-key".to_owned());
+                [
+                    (case.topic.clone(), big.clone(), key.clone()),
+                    (case.topic.clone(), "after".to_owned(), key),
+                ]
+            })
+            .collect();
+        common::produce_chunked_with_java(CHUNK_BYTES, messages).await;
+        common::wait_until("both messages handled", Duration::from_secs(30), || {
+            handled.borrow().len() == 2 * cases.len()
+        })
+        .await;
+        for case in &cases {
+            let stats = wait_for_empty_backlog(&case.topic, &subscription).await;
+            assert_eq!(stats.msg_backlog, 0, "{}", case.topic);
+        }
+        // Within the consumer's window for acks lost with a connection (10
+        // s): back to the next-to-last chunk of each big message.
+        let resets: Vec<(String, MessageId)> = handled
+            .borrow()
+            .iter()
+            .filter(|(_, name, _)| name == "big")
+            .map(|(delivered, _, id)| (delivered.clone(), id.clone()))
+            .collect();
+        for (delivered, id) in resets {
+            let subscription = subscription.clone();
+            tokio::task::spawn_blocking(move || {
+                common::reset_cursor_to_entry(
+                    &delivered,
+                    &subscription,
+                    id.ledger_id(),
+                    id.entry_id() - 1,
+                )
+            })
+            .await
+            .unwrap();
+        }
+        // Long enough for the broker to deliver them again and for a nack
+        // of them to come back a few times.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        for case in &cases {
+            let stats = wait_for_empty_backlog(&case.topic, &subscription).await;
+            assert_eq!(
+                stats.msg_backlog, 0,
+                "{}: every chunk acked again",
+                case.topic
+            );
+        }
+        close_and_join(&dispatcher, run).await;
+        let handled = handled.borrow();
+        for case in &cases {
+            let names: Vec<&str> = handled
+                .iter()
+                .filter(|(delivered, ..)| {
+                    common::is_topic_or_partition(delivered, &case.topic, case.kind)
+                })
+                .map(|(_, name, _)| name.as_str())
+                .collect();
+            assert_eq!(
+                names,
+                ["big", "after"],
+                "{} ({:?}): each once",
+                case.topic,
+                case.subscription_type
+            );
+        }
     });
 }

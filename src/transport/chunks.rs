@@ -10,6 +10,10 @@
 //! message (its first chunk never came here: acked before, or delivered to
 //! another consumer of a Shared subscription) ends its message's assembly
 //! too. Given up chunks are nacked, so that the broker delivers them again.
+//! (A chunk of a message acked shortly before comes back on its own when
+//! the tail of the message's acks was lost with a connection; the consumer
+//! recognises it by its entry, as it does a whole message's, and acks it
+//! again before it gets here.)
 
 use std::collections::{HashMap, VecDeque};
 
@@ -77,6 +81,11 @@ pub(super) enum Assembled {
 fn chunk_of(metadata: &MessageMetadata) -> Option<(&str, i32, i32)> {
     let chunks = metadata.num_chunks_from_msg.filter(|&chunks| chunks > 1)?;
     Some((metadata.uuid.as_deref()?, chunks, metadata.chunk_id?))
+}
+
+/// Whether a message is a chunk of a larger one.
+pub(super) fn is_chunk(metadata: &MessageMetadata) -> bool {
+    chunk_of(metadata).is_some()
 }
 
 impl ChunkedMessages {

@@ -38,14 +38,14 @@ use pulsar::producer::Message as PulsarOutgoing;
 use pulsar::{Pulsar, PulsarBuilder, SubType, TokioExecutor};
 use tokio::time::Instant;
 
-use super::chunks::{Assembled, ChunkId, ChunkedMessages};
+use super::chunks::{is_chunk, Assembled, ChunkId, ChunkedMessages};
 use super::nodelay::BrokerSockets;
 use super::partition::{
     close_partitions, subscribe_partitions, AddedPartitions, Partition, Subscriber,
 };
 use super::rewind::RewindCheck;
 use super::settlement::{
-    entry_of, BatchSettlements, EntryKey, RecentAcks, Redelivery, SettledBefore,
+    entry_of, entry_of_chunk, BatchSettlements, EntryKey, RecentAcks, Redelivery, SettledBefore,
 };
 use super::{
     Consumer, ConsumerSpec, OutgoingMessage, Producer, Repairs, Transport, TransportError,
@@ -470,6 +470,13 @@ impl PulsarConsumer {
                 message_id: MessageId::from_broker(id, None).to_string().into(),
             });
         }
+        // A chunk of a message acked shortly before, delivered again on its
+        // own because the last of the message's acks were lost with a
+        // connection: acked again. Given up, it would be nacked and come
+        // back for ever, its first chunk acked for good.
+        if is_chunk(&metadata) && self.was_acked(&MessageId::from_broker(id.clone(), None)) {
+            return Ok(None);
+        }
         let mut given_up = Vec::new();
         let assembled = self
             .chunks
@@ -536,6 +543,13 @@ impl PulsarConsumer {
             rewinds.settled(id);
         }
         if let Some(chunks) = self.chunks.settled(entry_of(id)) {
+            if succeeded {
+                // Each chunk is an entry the broker may deliver again alone.
+                let now = Instant::now();
+                for (_, chunk) in &chunks {
+                    self.recent_acks.record(entry_of_chunk(chunk), now);
+                }
+            }
             self.settle_chunks(chunks, succeeded);
         }
         let Some(succeeded) = self.batches.settle(id, succeeded, &self.recent_acks) else {

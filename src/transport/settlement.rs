@@ -10,6 +10,7 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
+use pulsar::proto::MessageIdData;
 use tokio::time::Instant;
 
 use crate::hash::TrustedHashing;
@@ -168,6 +169,11 @@ pub(super) type EntryKey = (i32, u64, u64);
 /// The entry a message id belongs to.
 pub(super) fn entry_of(id: &MessageId) -> EntryKey {
     (id.partition(), id.ledger_id(), id.entry_id())
+}
+
+/// The entry of a chunk (see `chunks`), as [`entry_of`] its message's.
+pub(super) fn entry_of_chunk(id: &MessageIdData) -> EntryKey {
+    (id.partition.unwrap_or(-1), id.ledger_id, id.entry_id)
 }
 
 /// Entries acknowledged recently, and when.

@@ -255,6 +255,21 @@ pub fn reset_cursor(topic: &str, subscription: &str, timestamp_millis: u64) {
     assert_eq!(status, 204, "resetting {subscription} on {topic}: {body}");
 }
 
+/// Resets `subscription`'s cursor on `topic` (a plain topic, or one
+/// partition by its own name) to the entry `ledger:entry`, through the admin
+/// API: the broker delivers that entry and everything after it again. Blocks;
+/// call it from `spawn_blocking` inside a runtime.
+pub fn reset_cursor_to_entry(topic: &str, subscription: &str, ledger: u64, entry: u64) {
+    let path = format!(
+        "/admin/v2/persistent/{}/subscription/{subscription}/resetcursor",
+        topic_path(topic)
+    );
+    let body = format!(r#"{{"ledgerId":{ledger},"entryId":{entry}}}"#);
+    let (status, answer) = admin_request("POST", &path, Some(&body))
+        .unwrap_or_else(|e| panic!("POST {}{path}: {e}", web_url()));
+    assert_eq!(status, 204, "resetting {subscription} on {topic}: {answer}");
+}
+
 /// Creates the tenant and namespace of `namespace` (`tenant/namespace`) on
 /// the standalone cluster through the admin API, unless they exist.
 pub fn ensure_namespace(namespace: &str) {
