@@ -750,8 +750,9 @@ impl<T: Transport> Job<T> {
             if engine.better_handover_pending(redispatch.priority()) {
                 return false;
             }
-            // The consumer cannot reach the scheduler, which this holds;
-            // a panic in it drops the re-dispatch unsettled.
+            // The consumer cannot reach the scheduler, which this holds,
+            // and a panic in it is caught (`Subscription::receive_or`): it
+            // takes the second branch below, and fails the dispatcher.
             ended.clear();
             // The engine runs (checked above); a paused subscription takes
             // nothing more from its consumer.
@@ -797,7 +798,13 @@ impl<T: Transport> Job<T> {
     fn cancelled(&mut self) {
         self.start();
         self.engine.note_cancelled();
-        self.settle(Verdict::Nack);
+        // A nack that panics (a transport's bug) must not unwind out of the
+        // job's drop before it has returned its permit: shutdown would wait
+        // for that permit for ever.
+        let nacked = std::panic::catch_unwind(AssertUnwindSafe(|| self.settle(Verdict::Nack)));
+        if let Err(panic) = nacked {
+            settling_panicked(&self.engine, panic);
+        }
         self.engine.wake_for_permit();
     }
 

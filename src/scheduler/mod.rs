@@ -619,11 +619,14 @@ impl<M> Scheduler<M> {
             self.after_pick_at_front(level, still_ready);
             return Some(self.pick(permit, waiting.message, false, false));
         }
-        // A refill that panics (a transport's bug) must not leave the
-        // subscription at the front of its queue with an empty slot, which
-        // every later pick would trip on: the queue is put right first
-        // (what was stored before the panic kept), and the pick is lost as
-        // before. One call of `refill` in the code, for a slot and a key
+        // A refill that panics must not leave the subscription at the
+        // front of its queue with an empty slot, which every later pick
+        // would trip on: the queue is put right first (what was stored
+        // before the panic kept), and the pick is lost as before, its
+        // permit with it. (The engine's refill does not panic: it catches
+        // a consumer's panic, a transport's bug, and fails the dispatcher,
+        // since a lost pick would hold a permit shutdown waits for.) One
+        // call of `refill` in the code, for a slot and a key
         // buffer alike: a second one kept the optimizer from inlining it.
         let refilled = std::panic::catch_unwind(AssertUnwindSafe(|| {
             while let Some(refilled) = refill(&waiting.message) {

@@ -923,3 +923,111 @@ fn a_panic_in_the_dispatchers_own_path_stops_it_with_an_error() {
         assert!(memory.is_closed());
     });
 }
+
+/// A consumer whose receive panics (a transport's bug), polled while a
+/// worker picks the next message (`receiving_in`: the refill within a
+/// pick, or the one within a job's follow-on): the dispatcher fails and
+/// shuts down, and every message it took is settled; no permit is lost, so
+/// `run()` returns.
+fn a_receive_that_panics(receiving_in: &str) {
+    run_local(async {
+        let transport = Hooked::default();
+        let hooks = transport.clone();
+        let memory = transport.inner.clone();
+        let dispatcher = Rc::new(
+            Dispatcher::builder()
+                .concurrency(1)
+                .build(transport)
+                .unwrap(),
+        );
+        let gate = Gate::default();
+        let handler = {
+            let (gate, hooks) = (gate.clone(), hooks.clone());
+            async move |message: &Message| {
+                match message.payload() {
+                    b"gated" => gate.wait().await,
+                    // Its end is followed on in place, and receives.
+                    b"breaks" => hooks.receive_panics.set(true),
+                    _ => {}
+                }
+                Ok::<_, Infallible>(())
+            }
+        };
+        let sent: Vec<_> = match receiving_in {
+            "pick" => vec![memory.send("jobs", "gated")],
+            _ => ["breaks", "1", "2"]
+                .into_iter()
+                .map(|payload| memory.send("jobs", payload))
+                .collect(),
+        };
+        dispatcher
+            .subscribe("jobs", handler, options(1))
+            .await
+            .unwrap();
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        let mut sent = sent;
+        if receiving_in == "pick" {
+            // The second waits in its slot while the first runs; when the
+            // first ends, its worker picks the second and receives.
+            sent.push(memory.send("jobs", "2"));
+            settle_down().await;
+            assert_eq!(dispatcher.stats().waiting, 1);
+            hooks.receive_panics.set(true);
+            gate.open();
+        }
+        let result = tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("run() returns")
+            .unwrap();
+        assert!(
+            matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("a broken receive")),
+            "{result:?}"
+        );
+        let stats = dispatcher.stats();
+        assert_eq!((stats.in_flight, stats.waiting), (0, 0), "{stats:?}");
+        let settled = [memory.acked("jobs"), memory.nacked("jobs")].concat();
+        let received = memory.received_count("jobs") as usize;
+        assert_eq!(settled.len(), received, "every message taken is settled");
+        assert!(received >= 2, "the panic came after the first: {received}");
+        assert!(settled.iter().all(|id| sent.contains(id)));
+    });
+}
+
+#[test]
+fn a_receive_that_panics_within_a_pick_fails_the_dispatcher_and_loses_nothing() {
+    a_receive_that_panics("pick");
+}
+
+#[test]
+fn a_receive_that_panics_within_a_follow_on_fails_the_dispatcher_and_loses_nothing() {
+    a_receive_that_panics("follow-on");
+}
+
+#[test]
+fn a_nack_that_panics_as_a_job_is_cancelled_still_returns_its_permit() {
+    run_local(async {
+        // The ack panics and fails the dispatcher; the unsettled job is
+        // nacked as it is dropped, and that nack panics too.
+        let transport = Hooked::default().acks_panic().nacks_panic();
+        let memory = transport.inner.clone();
+        let dispatcher = Dispatcher::builder()
+            .concurrency(1)
+            .shutdown_timeout(Duration::from_secs(1))
+            .build(transport)
+            .unwrap();
+        memory.send("jobs", "x");
+        dispatcher
+            .subscribe("jobs", hangs_on_request, options(1))
+            .await
+            .unwrap();
+        let result = tokio::time::timeout(Duration::from_secs(10), dispatcher.run())
+            .await
+            .expect("run() returns");
+        assert!(
+            matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("broken transport")),
+            "{result:?}"
+        );
+        assert_eq!(dispatcher.stats().in_flight, 0);
+    });
+}

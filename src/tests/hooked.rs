@@ -24,6 +24,9 @@ use crate::{full_topic_name, Message, MessageId, TransportError};
 pub(super) struct Hooked {
     pub(super) inner: MemoryTransport,
     acks_panic: Rc<Cell<bool>>,
+    nacks_panic: Rc<Cell<bool>>,
+    /// The next receive panics.
+    pub(super) receive_panics: Rc<Cell<bool>>,
     close_takes: Rc<Cell<Duration>>,
     part_failing_since: Rc<Cell<Option<tokio::time::Instant>>>,
     /// Errors the next receives return, first first.
@@ -50,6 +53,11 @@ struct HeldProducers {
 impl Hooked {
     pub(super) fn acks_panic(self) -> Self {
         self.acks_panic.set(true);
+        self
+    }
+
+    pub(super) fn nacks_panic(self) -> Self {
+        self.nacks_panic.set(true);
         self
     }
 
@@ -173,6 +181,9 @@ impl Consumer for HookedConsumer {
         slot: &mut Option<Message>,
     ) -> Poll<Option<Result<(), TransportError>>> {
         *self.hooks.receiver.borrow_mut() = Some(cx.waker().clone());
+        if self.hooks.receive_panics.replace(false) {
+            panic!("a broken receive");
+        }
         if let Some(error) = self.hooks.receive_errors.borrow_mut().pop_front() {
             return Poll::Ready(Some(Err(error)));
         }
@@ -187,6 +198,9 @@ impl Consumer for HookedConsumer {
     }
 
     fn nack(&mut self, id: &MessageId) -> Result<(), TransportError> {
+        if self.hooks.nacks_panic.get() {
+            panic!("a broken nack");
+        }
         self.inner.nack(id)
     }
 
