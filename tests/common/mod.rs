@@ -492,10 +492,25 @@ pub async fn produce_chunked_with_java(
     chunk_bytes: usize,
     messages: Vec<(String, String, Option<String>)>,
 ) {
+    produce_chunked_and_compressed_with_java(chunk_bytes, "NONE", messages).await
+}
+
+/// [`produce_chunked_with_java`], each message compressed with
+/// `compression` (a Java `CompressionType`: `LZ4`, `ZLIB`, `ZSTD`,
+/// `SNAPPY`) before it is chunked, as the Java client does.
+pub async fn produce_chunked_and_compressed_with_java(
+    chunk_bytes: usize,
+    compression: &str,
+    messages: Vec<(String, String, Option<String>)>,
+) {
     let java = required_env("PULSAR_DISPATCHER_JAVA");
     let classpath = required_env("PULSAR_DISPATCHER_JAVA_CLASSPATH");
     let script = interop_script("ProduceChunked.java");
-    let args = [pulsar_url(), chunk_bytes.to_string()];
+    let args = [
+        pulsar_url(),
+        chunk_bytes.to_string(),
+        compression.to_owned(),
+    ];
     let input: String = messages
         .iter()
         .map(|(topic, payload, key)| match key {
