@@ -34,6 +34,7 @@ use tracing::{debug, info, warn};
 
 use super::nodelay::BrokerSockets;
 use super::rewind::StallCheck;
+use super::settlement::Outage;
 use super::{ConsumerSpec, TransportError};
 use crate::topic::{is_non_persistent, partition_name};
 
@@ -219,6 +220,8 @@ pub(super) struct Partition {
     /// When its stream last ended (the crate gave up on its connection);
     /// while it is being subscribed again, since when.
     stream_ended_at: Option<tokio::time::Instant>,
+    /// When it was last subscribed again after its stream ended.
+    reopened_at: Option<tokio::time::Instant>,
     /// On a persistent Failover subscription with the check on.
     stall: Option<StallCheck>,
     subscriber: Rc<Subscriber>,
@@ -251,6 +254,7 @@ impl Partition {
             state: State::Open(Box::new(consumer)),
             pending: Vec::new(),
             stream_ended_at: None,
+            reopened_at: None,
             stall,
             subscriber,
         }
@@ -299,6 +303,7 @@ impl Partition {
                     Poll::Ready(Ok(consumer)) => {
                         info!(topic = %self.topic, "subscribed again");
                         self.state = State::Open(Box::new(consumer));
+                        self.reopened_at = Some(tokio::time::Instant::now());
                         self.send_pending();
                     }
                     Poll::Ready(Err(error)) => {
@@ -399,10 +404,15 @@ impl Partition {
         }
     }
 
-    /// When its stream last ended: acks sent shortly before may have been
-    /// lost with the connection.
-    pub(super) fn stream_ended_at(&self) -> Option<tokio::time::Instant> {
-        self.stream_ended_at
+    /// Its last outage, if its stream ever ended: acks sent shortly before
+    /// it may have been lost with the connection, and acks made during it
+    /// were held until it was subscribed again.
+    pub(super) fn outage(&self) -> Option<Outage> {
+        let ended = self.stream_ended_at?;
+        Some(Outage {
+            ended,
+            reopened: self.reopened_at.filter(|&at| at >= ended),
+        })
     }
 
     fn resubscribe(&mut self, after: Duration) {

@@ -387,13 +387,13 @@ impl PulsarConsumer {
         }
         let partitions = &self.partitions;
         // A plain topic's entries name no partition: all are its one's.
-        let stream_ended = |(partition, ..): EntryKey| {
+        let outage = |(partition, ..): EntryKey| {
             let index = usize::try_from(partition).unwrap_or(0);
-            partitions.get(index).and_then(Partition::stream_ended_at)
+            partitions.get(index).and_then(Partition::outage)
         };
         let resend = match self
             .recent_acks
-            .redelivered(entry_of(id), Instant::now(), stream_ended)
+            .redelivered(entry_of(id), Instant::now(), outage)
         {
             Redelivery::NotAcked => return false,
             Redelivery::Replay => {

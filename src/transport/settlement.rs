@@ -191,7 +191,9 @@ pub(super) fn entry_of_chunk(id: &MessageIdData) -> EntryKey {
 /// The connection was lost when the partition's stream last ended, if that
 /// was after the ack; otherwise (the crate reconnects by itself after a
 /// topic unload, quickly, and tells nobody) it is taken to be now, the
-/// redelivery. An entry acked longer ago than that came back for another
+/// redelivery. An ack made while the partition was being subscribed again
+/// waited for the new consumer: it counts as sent when that came. An entry
+/// acked longer ago than that came back for another
 /// reason: someone reset the subscription's cursor, or the consumer sought
 /// back, to replay it. It is handled again and forgotten, so that its new
 /// settlement counts. Bounded by a count as well; what falls out can still
@@ -207,6 +209,15 @@ pub(super) struct RecentAcks {
     last_bulk_resend: Option<Instant>,
     /// Redeliveries of acked entries recognised so far.
     pub(super) recognised: u64,
+}
+
+/// A partition's last outage: when its stream ended (the crate gave up on
+/// its connection), and when it was subscribed again (`None` while it is
+/// still being).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Outage {
+    pub(super) ended: Instant,
+    pub(super) reopened: Option<Instant>,
 }
 
 /// How long before its connection was lost an ack can have been lost with
@@ -257,23 +268,28 @@ impl RecentAcks {
     }
 
     /// What the delivery of `entry` at `now` is (see [`Redelivery`]).
-    /// `stream_ended` tells when the stream of an entry's partition last
-    /// ended. A lost ack is counted; a replay is forgotten, so that its new
-    /// settlement counts.
+    /// `outage` tells the last outage of an entry's partition. A lost ack
+    /// is counted; a replay is forgotten, so that its new settlement counts.
     pub(super) fn redelivered(
         &mut self,
         entry: EntryKey,
         now: Instant,
-        stream_ended: impl Fn(EntryKey) -> Option<Instant>,
+        outage: impl Fn(EntryKey) -> Option<Outage>,
     ) -> Redelivery {
         let Some(&acked_at) = self.entries.get(&entry) else {
             return Redelivery::NotAcked;
         };
         let lost = |entry: EntryKey, acked_at: Instant| {
-            let lost_at = stream_ended(entry)
-                .filter(|&ended| ended >= acked_at)
-                .unwrap_or(now);
-            lost_at.saturating_duration_since(acked_at) <= LOST_ACK_WINDOW
+            let (lost_at, sent_at) = match outage(entry) {
+                // Sent shortly before the stream ended, however long ago.
+                Some(Outage { ended, .. }) if ended >= acked_at => (ended, acked_at),
+                // Held for the new consumer, and sent when it came.
+                Some(Outage { reopened, .. }) if reopened.is_none_or(|at| at >= acked_at) => {
+                    (now, reopened.unwrap_or(now))
+                }
+                _ => (now, acked_at),
+            };
+            lost_at.saturating_duration_since(sent_at) <= LOST_ACK_WINDOW
         };
         if !lost(entry, acked_at) {
             self.entries.remove(&entry);
@@ -473,7 +489,7 @@ mod tests {
 
     /// No stream ended: the connection is taken to be lost at the
     /// redelivery.
-    fn no_stream_end(_: EntryKey) -> Option<Instant> {
+    fn no_stream_end(_: EntryKey) -> Option<Outage> {
         None
     }
 
@@ -575,7 +591,11 @@ mod tests {
         acks.record((1, 9, 1), begun);
         let ended = begun + Duration::from_secs(2);
         let back = ended + Duration::from_secs(120);
-        let partition_0_ended = |(partition, ..): EntryKey| (partition == 0).then_some(ended);
+        let outage = Outage {
+            ended,
+            reopened: Some(back),
+        };
+        let partition_0_ended = |(partition, ..): EntryKey| (partition == 0).then_some(outage);
         assert_eq!(
             acks.redelivered((0, 9, 1), back, partition_0_ended),
             Redelivery::AckLost(vec![(0, 9, 1)]),
@@ -591,6 +611,36 @@ mod tests {
         acks.record((0, 9, 2), back);
         assert_eq!(
             acks.redelivered((0, 9, 2), back + LOST_ACK_WINDOW * 2, partition_0_ended),
+            Redelivery::Replay
+        );
+    }
+
+    #[test]
+    fn an_ack_held_while_the_partition_was_subscribed_again_counts_from_its_return() {
+        let ended = Instant::now();
+        let acked = ended + Duration::from_secs(5);
+        let back = ended + Duration::from_secs(30);
+        let mut acks = RecentAcks::new(16);
+        // Acked during the outage: held, and sent once the partition is
+        // back, where the broker may deliver the message again first.
+        acks.record((0, 9, 1), acked);
+        acks.record((0, 9, 2), acked);
+        let outage = |reopened| move |_: EntryKey| Some(Outage { ended, reopened });
+        assert_eq!(
+            acks.redelivered((0, 9, 1), back, outage(Some(back))),
+            Redelivery::AckLost(vec![(0, 9, 1), (0, 9, 2)]),
+            "25 s after the ack, but at once after it was sent"
+        );
+        // A reset of the cursor well after the return replays it.
+        let later = back + LOST_ACK_WINDOW * 2;
+        assert_eq!(
+            acks.redelivered((0, 9, 2), later, outage(Some(back))),
+            Redelivery::Replay
+        );
+        // An ack made after the return was sent when it was made.
+        acks.record((0, 9, 3), back + Duration::from_secs(1));
+        assert_eq!(
+            acks.redelivered((0, 9, 3), later, outage(Some(back))),
             Redelivery::Replay
         );
     }
