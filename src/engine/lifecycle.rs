@@ -309,6 +309,11 @@ impl<T: Transport> Engine<T> {
 
     /// Once nothing waits or runs: ends the workers, sends held nacks,
     /// closes the consumers, then the producers and the connection.
+    ///
+    /// Each step runs whatever the steps before it did, as the original's
+    /// last one does: a transport that panics (a bug) in a nack or a close
+    /// fails the dispatcher, and the rest still closes, the connection
+    /// last.
     async fn shut_down(&self) {
         debug!("queued messages handled; closing consumers");
         self.phase.set(Phase::Drained);
@@ -317,24 +322,53 @@ impl<T: Transport> Engine<T> {
         }
         let subscriptions = self.all_subscriptions();
         for subscription in &subscriptions {
-            subscription.send_held_nacks();
+            let sent =
+                std::panic::catch_unwind(AssertUnwindSafe(|| subscription.send_held_nacks()));
+            self.survive("sending held nacks", sent);
         }
         self.timed.borrow_mut().clear();
-        futures::future::join_all(subscriptions.iter().map(|s| s.close())).await;
+        self.close_consumers(&subscriptions).await;
         self.close_transport().await;
+    }
+
+    /// Closes every consumer, each whatever the others do.
+    async fn close_consumers(&self, subscriptions: &[Rc<Subscription<T>>]) {
+        let closing = subscriptions
+            .iter()
+            .map(|subscription| AssertUnwindSafe(subscription.close()).catch_unwind());
+        for closed in futures::future::join_all(closing).await {
+            self.survive("closing a consumer", closed);
+        }
     }
 
     async fn close_transport(&self) {
         if self.metrics_interval.is_some() {
             self.publish_metrics(Instant::now());
         }
-        self.router.close().await;
-        if let Err(error) = self.transport.close().await {
-            error!(%error, "closing the connection failed");
-            self.failure.borrow_mut().get_or_insert(Error::Close(error));
+        let producers = AssertUnwindSafe(self.router.close()).catch_unwind().await;
+        self.survive("closing the producers", producers);
+        match AssertUnwindSafe(self.transport.close())
+            .catch_unwind()
+            .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                error!(%error, "closing the connection failed");
+                self.failure.borrow_mut().get_or_insert(Error::Close(error));
+            }
+            Err(panic) => self.survive("closing the connection", Err(panic)),
         }
         self.mark_closed();
         info!("dispatcher closed");
+    }
+
+    /// A shutdown step that panicked fails the dispatcher; the next runs.
+    fn survive(&self, step: &str, outcome: std::thread::Result<()>) {
+        if let Err(panic) = outcome {
+            self.fail(Error::EngineFailed {
+                reason: format!("{step} panicked: {}", panic_text(panic.as_ref())),
+            });
+        }
     }
 
     fn mark_closed(&self) {
@@ -370,8 +404,7 @@ impl<T: Transport> Engine<T> {
                 self.phase.set(Phase::Stopping);
                 let engine = self.clone();
                 tokio::task::spawn_local(async move {
-                    let subscriptions = engine.all_subscriptions();
-                    futures::future::join_all(subscriptions.iter().map(|s| s.close())).await;
+                    engine.close_consumers(&engine.all_subscriptions()).await;
                     engine.close_transport().await;
                 });
             }

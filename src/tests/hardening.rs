@@ -1031,3 +1031,46 @@ fn a_nack_that_panics_as_a_job_is_cancelled_still_returns_its_permit() {
         assert_eq!(dispatcher.stats().in_flight, 0);
     });
 }
+
+/// A consumer whose close panics (a transport's bug), at shutdown and at a
+/// close before `run()`: the other consumers and the connection are still
+/// closed, and the dispatcher reports the panic rather than hang.
+#[test]
+fn a_consumer_close_that_panics_still_closes_the_rest() {
+    run_local(async {
+        for running in [true, false] {
+            let transport = Hooked::default().consumer_closes_panic();
+            let memory = transport.inner.clone();
+            let closes = transport.closes.clone();
+            let dispatcher = Rc::new(Dispatcher::builder().build(transport).unwrap());
+            for topic in ["a", "b"] {
+                dispatcher
+                    .subscribe(topic, hangs_on_request, options(1))
+                    .await
+                    .unwrap();
+            }
+            let closing = async {
+                if running {
+                    let run = spawn_run(&dispatcher);
+                    settle_down().await;
+                    dispatcher.close().await;
+                    run.await.unwrap()
+                } else {
+                    dispatcher.close().await;
+                    Ok(())
+                }
+            };
+            let result = tokio::time::timeout(Duration::from_secs(10), closing)
+                .await
+                .expect("the close finishes");
+            if running {
+                assert!(
+                    matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("closing a consumer panicked: a broken close")),
+                    "{result:?}"
+                );
+            }
+            assert!(memory.is_closed(), "running: {running}");
+            assert_eq!(*closes.borrow(), ["transport closed"], "running: {running}");
+        }
+    });
+}

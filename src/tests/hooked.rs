@@ -25,6 +25,7 @@ pub(super) struct Hooked {
     pub(super) inner: MemoryTransport,
     acks_panic: Rc<Cell<bool>>,
     nacks_panic: Rc<Cell<bool>>,
+    consumer_closes_panic: Rc<Cell<bool>>,
     /// The next receive panics.
     pub(super) receive_panics: Rc<Cell<bool>>,
     close_takes: Rc<Cell<Duration>>,
@@ -58,6 +59,11 @@ impl Hooked {
 
     pub(super) fn nacks_panic(self) -> Self {
         self.nacks_panic.set(true);
+        self
+    }
+
+    pub(super) fn consumer_closes_panic(self) -> Self {
+        self.consumer_closes_panic.set(true);
         self
     }
 
@@ -210,6 +216,9 @@ impl Consumer for HookedConsumer {
 
     async fn close(&mut self) -> Result<(), TransportError> {
         tokio::time::sleep(self.hooks.close_takes.get()).await;
+        if self.hooks.consumer_closes_panic.get() {
+            panic!("a broken close");
+        }
         let closed = format!("consumer {} closed", self.topic);
         self.hooks.closes.borrow_mut().push(closed);
         Consumer::close(&mut self.inner).await
