@@ -62,9 +62,10 @@ fn exponential(initial: Duration, multiplier: f64, maximum: Duration, retry: u32
     if log_seconds >= maximum.as_secs_f64().ln() {
         return maximum;
     }
-    // Below the maximum, so the power is finite and the exponent small:
-    // at least 1 + 2^-52 per retry, 2^31 retries would pass any Duration.
-    let seconds = initial.as_secs_f64() * multiplier.powi(exponent as i32);
+    // Below the maximum, so the power is finite. The exponent can still be
+    // any `u32` (a multiplier a hair above 1 grows that slowly), so it goes
+    // to the power as a float, never through an `i32` that would wrap.
+    let seconds = initial.as_secs_f64() * multiplier.powf(f64::from(exponent));
     Duration::from_secs_f64(seconds).min(maximum)
 }
 
@@ -91,6 +92,23 @@ impl std::fmt::Debug for Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slow_curve_grows_past_two_billion_retries() {
+        let curve = exponential_backoff(
+            Duration::from_secs(1),
+            1.000_000_001,
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+        let mut last = Duration::ZERO;
+        for retry in [1, 2_000_000_000, 2_147_483_649, 3_000_000_000, u32::MAX] {
+            let delay = curve(retry);
+            assert!(delay >= last, "retry {retry}: {delay:?} after {last:?}");
+            assert!(delay >= Duration::from_secs(1) && delay <= Duration::from_secs(3600));
+            last = delay;
+        }
+    }
 
     #[test]
     fn the_default_doubles_from_one_second_up_to_five_minutes() {

@@ -28,7 +28,7 @@ use crate::error::{Error, ErrorChain, RetryTopicProblem, TransportError};
 use crate::log_limit::LogLimit;
 use crate::message::Message;
 use crate::outcome::{panic_text, Outcome, SubscriptionInfo, Verdict};
-use crate::topic::full_topic_name;
+use crate::topic::{full_topic_name, is_non_persistent, overlap};
 use crate::transport::{OutgoingMessage, Producer, Transport};
 
 /// How many times a message has been retried (Java client convention).
@@ -64,8 +64,19 @@ impl DeadLetterTargets {
     }
 
     /// Also honour `topic` (for subscriptions that live in another service).
+    /// A non-persistent topic is refused: it keeps nothing for a subscriber
+    /// that is not connected, and the original is acked once published.
     pub fn allow(mut self, topic: &str) -> Result<Self, Error> {
-        self.allowed.insert(full_topic_name(topic)?);
+        let full = full_topic_name(topic)?;
+        if is_non_persistent(&full) {
+            return Err(Error::InvalidOption {
+                option: "dead_letter_targets",
+                reason: format!(
+                    "{full} is non-persistent: it keeps nothing for a subscriber that is not connected"
+                ),
+            });
+        }
+        self.allowed.insert(full);
         Ok(self)
     }
 
@@ -467,24 +478,40 @@ impl<T: Transport> Router<T> {
     /// The property is expanded like any topic name first: the Python
     /// dispatcher stamps the name as its user wrote it (`orders-sub-DLQ`),
     /// which is the same topic as its full form.
+    ///
+    /// Never the topic the message came from: a subscription that reads a
+    /// dead letter topic (to inspect or reprocess) and dead-letters in turn
+    /// would otherwise publish its failures back to itself, for ever, as
+    /// messages retried before they were dead-lettered name it. Nor a
+    /// non-persistent topic, which keeps nothing for a subscriber that is
+    /// not connected while the original is acked.
     fn dead_letter_destination(&self, policy: &RoutingPolicy, message: &Message) -> Option<String> {
-        let own = policy.dead_letter_topic.clone();
+        let own = policy
+            .dead_letter_topic
+            .clone()
+            .filter(|own| !overlap(own, message.topic()));
         let Some(named) = message.property(DEAD_LETTER_TOPIC) else {
             return own;
         };
-        if let Ok(full) = full_topic_name(named) {
-            let trusted = self.targets.any
-                || self.targets.allowed.contains(&full)
-                || self.known_dead_letter_topics.borrow().contains(&full);
-            if trusted {
-                return Some(full);
+        let why = match full_topic_name(named) {
+            Ok(full) if overlap(&full, message.topic()) => "the topic the message came from",
+            Ok(full) if is_non_persistent(&full) => "a non-persistent topic",
+            Ok(full) => {
+                let trusted = self.targets.any
+                    || self.targets.allowed.contains(&full)
+                    || self.known_dead_letter_topics.borrow().contains(&full);
+                if trusted {
+                    return Some(full);
+                }
+                "a topic this dispatcher does not trust"
             }
-        }
+            Err(_) => "no topic",
+        };
         warn!(
             topic = %message.topic(),
             message_id = %message.id(),
             requested = %named,
-            "DEAD_LETTER_TOPIC names a topic this dispatcher does not trust; using the subscription's own"
+            "DEAD_LETTER_TOPIC names {why}; using the subscription's own"
         );
         own
     }

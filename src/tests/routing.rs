@@ -8,8 +8,8 @@ use super::{dispatcher, run_local, settle_down, spawn_run};
 use crate::routing::{DEAD_LETTER_TOPIC, ORIGIN_MESSAGE_ID, REAL_TOPIC, RECONSUMETIMES};
 use crate::transport::{Event, MemoryTransport, OutgoingMessage};
 use crate::{
-    priorities, DeadLetterPolicy, Dispatcher, Error, ErrorClass, Message, RetryTopicCheck,
-    RetryTopicProblem, SubType, SubscribeOptions, TopicFamily,
+    priorities, DeadLetterPolicy, DeadLetterTargets, Dispatcher, Error, ErrorClass, Message,
+    RetryTopicCheck, RetryTopicProblem, SubType, SubscribeOptions, TopicFamily,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -363,6 +363,61 @@ fn an_untrusted_dead_letter_topic_property_is_ignored() {
         assert!(transport.published("attacker").is_empty());
         assert_eq!(transport.published(DLQ).len(), 1);
     });
+}
+
+/// A subscription that reads a dead letter topic and dead-letters in turn
+/// does not publish its failures back to the topic they came from, though
+/// their DEAD_LETTER_TOPIC names it (a message retried before it was
+/// dead-lettered does): that would loop for ever. Nor does it follow a
+/// non-persistent one, even when it trusts any.
+#[test]
+fn dead_letters_never_go_back_to_their_own_topic_or_to_a_non_persistent_one() {
+    for targets in [DeadLetterTargets::known(), DeadLetterTargets::any()] {
+        run_local(async {
+            let transport = MemoryTransport::new();
+            let dispatcher = Dispatcher::builder()
+                .dead_letter_targets(targets.clone())
+                .build(transport.clone())
+                .unwrap();
+            dispatcher
+                .subscribe("orders", failing, routed_options())
+                .await
+                .unwrap();
+            let back_to_itself =
+                OutgoingMessage::new("invalid").with_property(DEAD_LETTER_TOPIC, DLQ);
+            transport.send_message(DLQ, back_to_itself);
+            let non_persistent = "non-persistent://public/default/dlq";
+            let to_non_persistent =
+                OutgoingMessage::new("invalid").with_property(DEAD_LETTER_TOPIC, non_persistent);
+            transport.send_message(DLQ, to_non_persistent);
+            let reprocess = SubscribeOptions::new()
+                .subscription("reprocessor")
+                .subscription_type(SubType::Shared)
+                .fatal_errors(ErrorClass::of::<InvalidOrder>());
+            dispatcher.subscribe(DLQ, failing, reprocess).await.unwrap();
+            run_until(dispatcher, async |t| t.wait_acked(DLQ, 2).await).await;
+            assert_eq!(transport.published(DLQ).len(), 0, "{targets:?}");
+            assert!(transport.published(non_persistent).is_empty());
+            let own = format!("{DLQ}-reprocessor-DLQ");
+            assert_eq!(transport.published(&own).len(), 2, "{targets:?}");
+        });
+    }
+}
+
+#[test]
+fn a_non_persistent_dead_letter_target_is_refused() {
+    let refused = DeadLetterTargets::known().allow("non-persistent://public/default/dlq");
+    assert!(
+        matches!(
+            &refused,
+            Err(Error::InvalidOption {
+                option: "dead_letter_targets",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    assert!(DeadLetterTargets::known().allow("elsewhere-dlq").is_ok());
 }
 
 /// With `DeadLetterTargets::any()`, whoever publishes to a topic names the
