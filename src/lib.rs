@@ -88,10 +88,10 @@
 //!   and encrypted messages" says what happens to such a message).
 //! - `anyhow` (default): handlers may return `anyhow::Error` and still be
 //!   routed by [`ErrorClass::of`]: the error an `anyhow::Error` was made
-//!   from, its context and their sources are all in the chain a class
-//!   looks at (anyhow's own conversion to `Box<dyn Error>` hides the
-//!   first). Without it an `anyhow::Error` still converts, and is classed
-//!   by its sources alone.
+//!   from and its sources are in the chain a class looks at, under any
+//!   context (anyhow's own conversion to `Box<dyn Error>` hides that
+//!   error; a context is logged, not classed). Without the feature an
+//!   `anyhow::Error` still converts, and is classed by its sources alone.
 //!
 //! # Layout
 //!

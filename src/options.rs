@@ -505,6 +505,11 @@ impl SubscribeOptions {
             }
             _ => {}
         }
+        // A default that is non-persistent, where this subscription does not
+        // dead-letter itself, is not stamped on its retries either: the
+        // retry topic's subscription, which would follow it, dead-letters
+        // to its own.
+        let dead_letter_topic = dead_letter_topic.filter(|topic| !is_non_persistent(topic));
         let retry = match (&self.retry_topic, &self.retry_errors) {
             (Some(retry_topic), Some(errors)) => Some(RetryPolicy {
                 topic: persistent_topic("retry_topic", retry_topic)?,

@@ -9,9 +9,10 @@ use pulsar::SubType;
 
 /// The error type handlers' errors are converted to. Any `std::error::Error`
 /// converts, as do `String`, `&str` and `anyhow::Error` (with the `anyhow`
-/// feature, on by default, its whole chain stays visible to
-/// [`ErrorClass`](crate::ErrorClass): the error it was made from, its
-/// context and their sources). A
+/// feature, on by default, [`ErrorClass`](crate::ErrorClass) sees the
+/// error it was made from and that error's sources, under any context; a
+/// context shows in the logs and is not classed, even one of an error
+/// type). A
 /// `Box<dyn Error + Send + Sync>` (tower's `BoxError`) does not convert by
 /// itself (the standard library has no such `From`): coerce it with
 /// `.map_err(|e| e as HandlerError)`.
@@ -111,8 +112,9 @@ fn handler_error<E: Into<HandlerError> + 'static>(error: E) -> HandlerError {
 }
 
 /// An `anyhow::Error` a handler returned. Its text is the error's own, and
-/// its `source()` is the error anyhow wraps (the one it was made from, or
-/// its outermost context), so that the chain holds every error in it.
+/// its `source()` is the object anyhow wraps: the error it was made from,
+/// or, under a context, anyhow's pair of the two, whose own `source()` is
+/// that error. So the chain holds the error and its sources.
 /// Logs leave its text out once, as a repeat of its source's.
 #[cfg(feature = "anyhow")]
 #[derive(Debug)]

@@ -320,25 +320,25 @@ impl<T: Transport> Engine<T> {
         for pool in self.pools.borrow().values() {
             pool.close();
         }
-        let subscriptions = self.all_subscriptions();
-        for subscription in &subscriptions {
-            let sent =
-                std::panic::catch_unwind(AssertUnwindSafe(|| subscription.send_held_nacks()));
-            self.survive("sending held nacks", sent);
-        }
         self.timed.borrow_mut().clear();
-        self.close_consumers(&subscriptions).await;
+        self.close_consumers(&self.all_subscriptions()).await;
         self.close_transport().await;
     }
 
     /// Closes every consumer, each whatever the others do.
     async fn close_consumers(&self, subscriptions: &[Rc<Subscription<T>>]) {
-        let closing = subscriptions
-            .iter()
-            .map(|subscription| AssertUnwindSafe(subscription.close()).catch_unwind());
-        for closed in futures::future::join_all(closing).await {
-            self.survive("closing a consumer", closed);
-        }
+        let closing = subscriptions.iter().map(|s| self.close_consumer(s));
+        futures::future::join_all(closing).await;
+    }
+
+    /// Sends a subscription's held nacks at once (a close does not wait
+    /// for their delay), then closes its consumer; a step that panics fails
+    /// the dispatcher, and the next still runs.
+    pub(super) async fn close_consumer(&self, subscription: &Subscription<T>) {
+        let sent = std::panic::catch_unwind(AssertUnwindSafe(|| subscription.send_held_nacks()));
+        self.survive("sending held nacks", sent);
+        let closed = AssertUnwindSafe(subscription.close()).catch_unwind().await;
+        self.survive("closing a consumer", closed);
     }
 
     async fn close_transport(&self) {
@@ -362,8 +362,8 @@ impl<T: Transport> Engine<T> {
         info!("dispatcher closed");
     }
 
-    /// A shutdown step that panicked fails the dispatcher; the next runs.
-    fn survive(&self, step: &str, outcome: std::thread::Result<()>) {
+    /// A closing step that panicked fails the dispatcher; the next runs.
+    pub(super) fn survive(&self, step: &str, outcome: std::thread::Result<()>) {
         if let Err(panic) = outcome {
             self.fail(Error::EngineFailed {
                 reason: format!("{step} panicked: {}", panic_text(panic.as_ref())),

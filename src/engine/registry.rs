@@ -4,8 +4,10 @@
 //! them.
 
 use std::any::TypeId;
+use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 
+use futures::FutureExt;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -317,12 +319,14 @@ impl<T: Transport> Engine<T> {
             (held == 0 && in_flight == 0) || self.phase() == Phase::Closed
         })
         .await;
-        subscription.send_held_nacks();
-        subscription.close().await;
+        self.close_consumer(&subscription).await;
         if self.phase() != Phase::Closed {
             // Shutdown closes every producer itself.
             let topics = subscription.routing.producer_topics();
-            self.router.release(&topics).await;
+            let released = AssertUnwindSafe(self.router.release(&topics))
+                .catch_unwind()
+                .await;
+            self.survive("closing the producers", released);
         }
         if self.metrics_interval.is_some() {
             // Its last numbers: what it counted since the last tick would

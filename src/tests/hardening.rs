@@ -1032,45 +1032,53 @@ fn a_nack_that_panics_as_a_job_is_cancelled_still_returns_its_permit() {
     });
 }
 
-/// A consumer whose close panics (a transport's bug), at shutdown and at a
-/// close before `run()`: the other consumers and the connection are still
-/// closed, and the dispatcher reports the panic rather than hang.
+/// A consumer whose close panics (a transport's bug), at shutdown, at a
+/// close before `run()` and at an unsubscribe: the other consumer and the
+/// connection are still closed, and the dispatcher reports the panic (and
+/// shuts down) rather than hang.
 #[test]
 fn a_consumer_close_that_panics_still_closes_the_rest() {
     run_local(async {
-        for running in [true, false] {
-            let transport = Hooked::default().consumer_closes_panic();
+        for when in ["running", "before run", "unsubscribing"] {
+            let transport = Hooked::default().consumer_close_panics("a");
             let memory = transport.inner.clone();
             let closes = transport.closes.clone();
             let dispatcher = Rc::new(Dispatcher::builder().build(transport).unwrap());
+            let mut handles = Vec::new();
             for topic in ["a", "b"] {
-                dispatcher
+                let handle = dispatcher
                     .subscribe(topic, hangs_on_request, options(1))
                     .await
                     .unwrap();
+                handles.push(handle);
             }
             let closing = async {
-                if running {
-                    let run = spawn_run(&dispatcher);
-                    settle_down().await;
+                if when == "before run" {
                     dispatcher.close().await;
-                    run.await.unwrap()
+                    return Ok(());
+                }
+                let run = spawn_run(&dispatcher);
+                settle_down().await;
+                if when == "unsubscribing" {
+                    let a = handles.remove(0);
+                    dispatcher.unsubscribe(a).await.unwrap();
                 } else {
                     dispatcher.close().await;
-                    Ok(())
                 }
+                run.await.unwrap()
             };
             let result = tokio::time::timeout(Duration::from_secs(10), closing)
                 .await
                 .expect("the close finishes");
-            if running {
+            if when != "before run" {
                 assert!(
                     matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("closing a consumer panicked: a broken close")),
-                    "{result:?}"
+                    "{when}: {result:?}"
                 );
             }
-            assert!(memory.is_closed(), "running: {running}");
-            assert_eq!(*closes.borrow(), ["transport closed"], "running: {running}");
+            assert!(memory.is_closed(), "{when}");
+            let b_closed = "consumer persistent://public/default/b closed";
+            assert_eq!(*closes.borrow(), [b_closed, "transport closed"], "{when}");
         }
     });
 }

@@ -25,7 +25,8 @@ pub(super) struct Hooked {
     pub(super) inner: MemoryTransport,
     acks_panic: Rc<Cell<bool>>,
     nacks_panic: Rc<Cell<bool>>,
-    consumer_closes_panic: Rc<Cell<bool>>,
+    /// The topic whose consumer's close panics.
+    consumer_close_panics: Rc<RefCell<Option<String>>>,
     /// The next receive panics.
     pub(super) receive_panics: Rc<Cell<bool>>,
     close_takes: Rc<Cell<Duration>>,
@@ -62,8 +63,8 @@ impl Hooked {
         self
     }
 
-    pub(super) fn consumer_closes_panic(self) -> Self {
-        self.consumer_closes_panic.set(true);
+    pub(super) fn consumer_close_panics(self, topic: &str) -> Self {
+        *self.consumer_close_panics.borrow_mut() = Some(full_topic_name(topic).unwrap());
         self
     }
 
@@ -216,7 +217,7 @@ impl Consumer for HookedConsumer {
 
     async fn close(&mut self) -> Result<(), TransportError> {
         tokio::time::sleep(self.hooks.close_takes.get()).await;
-        if self.hooks.consumer_closes_panic.get() {
+        if self.hooks.consumer_close_panics.borrow().as_ref() == Some(&self.topic) {
             panic!("a broken close");
         }
         let closed = format!("consumer {} closed", self.topic);
