@@ -866,7 +866,19 @@ impl<T: Transport> Engine<T> {
             PublishKind::Retry => &counters.retried,
             PublishKind::DeadLetter => &counters.dead_lettered,
         };
+        // A publish cancelled before it ends (its worker aborted at the
+        // shutdown deadline) counts as failed, as its original is nacked.
+        struct Unfinished<'a>(Option<&'a Cell<u64>>);
+        impl Drop for Unfinished<'_> {
+            fn drop(&mut self) {
+                if let Some(failed) = self.0 {
+                    bump(failed);
+                }
+            }
+        }
+        let mut unfinished = Unfinished(Some(&counters.publishes_failed));
         let verdict = self.router.publish(&self.transport, publish, message).await;
+        unfinished.0 = None;
         bump(match verdict {
             Verdict::Ack => published,
             Verdict::Nack => &counters.publishes_failed,

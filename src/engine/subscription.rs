@@ -162,6 +162,10 @@ struct ReceiveFailures {
     /// starting to be subscribed again: the consumer then tells when it
     /// is back (`Consumer::failing_since`), before any message shows it.
     last_was_resubscribe: bool,
+    /// Whether a poll since the last error found the consumer answering,
+    /// with nothing to deliver: health counts it as receiving again (the
+    /// spell itself, and its count toward the limit, end only quietly).
+    answered_since_error: bool,
     in_a_row: u32,
     since: Option<Instant>,
     last_error: Option<Instant>,
@@ -386,7 +390,8 @@ impl<T: Transport> Subscription<T> {
     /// stays until it ends quietly: a partition whose stream keeps ending
     /// backs off and meets the limit as before.
     fn pending_while_failing(&self) {
-        let failures = self.failures.borrow();
+        let mut failures = self.failures.borrow_mut();
+        failures.answered_since_error = true;
         if failures.last_was_resubscribe && self.consumer_failing_since().is_none() {
             self.failing.set(false);
             info!(topic = %self.topic, subscription = self.info.subscription.as_deref(), errors = failures.in_a_row, "subscribed again; receiving works again");
@@ -462,6 +467,7 @@ impl<T: Transport> Subscription<T> {
             *failures = ReceiveFailures::default();
         }
         failures.last_error = Some(now);
+        failures.answered_since_error = false;
         failures.last_was_resubscribe = matches!(error, TransportError::Resubscribing { .. });
         self.failing.set(true);
         failures.in_a_row = failures.in_a_row.saturating_add(1);
@@ -746,9 +752,11 @@ impl<T: Transport> Subscription<T> {
     /// deadline.
     pub(crate) fn health(&self, now: Instant) -> SubscriptionHealth {
         self.note_received(self.counters.received.get(), now);
-        let failing = self.failing.get()
-            && (self.still_failing(&self.failures.borrow(), now)
-                || self.consumer_failing_since().is_some());
+        let failing = self.failing.get() && {
+            let failures = self.failures.borrow();
+            let spell = self.still_failing(&failures, now) && !failures.answered_since_error;
+            spell || self.consumer_failing_since().is_some()
+        };
         SubscriptionHealth {
             topic: self.info.topic.clone(),
             subscription: self.info.subscription.clone(),

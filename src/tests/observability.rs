@@ -829,3 +829,69 @@ where
         .unwrap()
         .expect("the monitor answered within 30 s")
 }
+
+/// One receive error, retried 10 ms later on a consumer that answers with
+/// nothing to deliver (an idle topic): the subscription is receiving again
+/// at once, though no message comes to show it. Another error within the
+/// spell makes it not ready again.
+#[test]
+fn an_idle_subscription_is_ready_again_once_its_consumer_answers_after_an_error() {
+    super::run_paused(async {
+        let (dispatcher, transport) = dispatcher(1);
+        let idle = async |_: &Message| Ok::<_, std::convert::Infallible>(());
+        dispatcher
+            .subscribe("idle", idle, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        assert!(dispatcher.health().is_ready());
+        transport.fail_receives("idle", 1);
+        settle_down().await;
+        assert_eq!(dispatcher.stats().subscriptions[0].receive_errors, 1);
+        assert!(!dispatcher.health().is_ready(), "the error is seen");
+        // The retry is due after 10 ms.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        settle_down().await;
+        assert!(dispatcher.health().is_ready(), "{:?}", dispatcher.health());
+        transport.fail_receives("idle", 1);
+        settle_down().await;
+        assert!(!dispatcher.health().is_ready(), "a second error");
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+/// A reply whose publish outlasts the shutdown deadline and its grace is
+/// cancelled, and its original nacked: it counts as a failed publish.
+#[test]
+fn a_publish_cancelled_at_the_shutdown_deadline_counts_as_failed() {
+    run_local(async {
+        let transport = super::hooked::Hooked::default().publishes_take(Duration::from_secs(5));
+        let memory = transport.inner.clone();
+        let dispatcher = Rc::new(Dispatcher::builder().build(transport).unwrap());
+        let replying =
+            async |message: &Message| Ok::<_, std::convert::Infallible>(message.payload().to_vec());
+        dispatcher
+            .subscribe("jobs", replying, options(1).reply_topic("replies"))
+            .await
+            .unwrap();
+        let run = spawn_run(&dispatcher);
+        memory.send("jobs", "1");
+        settle_down().await;
+        dispatcher.close_within(Duration::from_millis(100)).await;
+        let _ = run.await.unwrap();
+        let stats = dispatcher.stats().total();
+        assert_eq!(
+            (
+                stats.succeeded,
+                stats.replied,
+                stats.publishes_failed,
+                stats.nacked
+            ),
+            (1, 0, 1, 1),
+            "{stats:?}"
+        );
+    });
+}
