@@ -942,8 +942,13 @@ impl<M> Scheduler<M> {
     /// more than the priority difference (in seconds of aging) after it. A
     /// wait counted only up to `max_boost` let a better level's backlog,
     /// whose messages age too, hold a worse level back for good.
+    ///
+    /// Priorities are compared as their distance from the best level's,
+    /// at most `max_boost`: a priority itself as an `f64` loses small gaps
+    /// far from zero (in steps of 1,024 beyond 2^62), and aging with it.
     fn most_aged(&self, best: usize, aging: &Aging, now: Instant) -> usize {
-        let reach = self.levels[best].priority.saturating_add(aging.max_boost());
+        let base = self.levels[best].priority;
+        let reach = base.saturating_add(aging.max_boost());
         let mut chosen = (best, f64::INFINITY);
         let mut next = Some(best);
         while let Some(index) = next {
@@ -956,7 +961,7 @@ impl<M> Scheduler<M> {
                 .held
                 .next_since()
                 .map_or(Duration::ZERO, |since| now.saturating_duration_since(since));
-            let effective = level.priority as f64 - aging.points(waited);
+            let effective = level.priority.abs_diff(base) as f64 - aging.points(waited);
             if effective < chosen.1 {
                 chosen = (index, effective);
             }

@@ -133,10 +133,13 @@ impl Aging {
         self.max_boost
     }
 
-    /// How long a message waits for the largest boost.
+    /// How long a message waits for the largest boost (`Duration::MAX`
+    /// where that is longer than a `Duration` holds).
     pub fn bound(&self) -> Option<Duration> {
-        (self.per_second > 0.0)
-            .then(|| Duration::from_secs_f64(self.max_boost as f64 / self.per_second))
+        (self.per_second > 0.0).then(|| {
+            Duration::try_from_secs_f64(self.max_boost as f64 / self.per_second)
+                .unwrap_or(Duration::MAX)
+        })
     }
 }
 

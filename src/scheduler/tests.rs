@@ -345,10 +345,24 @@ fn an_aged_message_overtakes_fresher_better_ones_up_to_the_bound() {
 /// level won every pick.
 #[test]
 fn an_aged_message_is_served_while_a_better_level_stays_backlogged() {
+    // At its fourth pick low has waited 9 s against 3 s for high's head:
+    // 40 - 90 beats 10 - 30 (at the third, 40 - 60 ties 10 - 30, and the
+    // tie goes to the better level).
+    let expected = ["high", "high", "high", "low", "high", "high"];
+    assert_eq!(aged_picks(0), expected);
+    // The same far from zero, where a priority as an `f64` loses the
+    // gap (steps of 1,024 or more beyond 2^62).
+    assert_eq!(aged_picks(i64::MIN), expected);
+    assert_eq!(aged_picks(i64::MAX - 40), expected);
+}
+
+/// The picks of a level at `base + 10`, backlogged, and one message at
+/// `base + 40`, under aging of 10 points a second up to 50.
+fn aged_picks(base: i64) -> Vec<&'static str> {
     let policy = SchedulingPolicy::Aging(Aging::new(10.0, 50));
     let mut s = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy).with_clock(fake_now);
-    let high = s.add_subscription(10);
-    let low = s.add_subscription(40);
+    let high = s.add_subscription(base + 10);
+    let low = s.add_subscription(base + 40);
     // The fake clock stands still from here: both arrive at one instant.
     advance(Duration::ZERO);
     s.try_insert(low, "low").unwrap();
@@ -365,10 +379,14 @@ fn an_aged_message_is_served_while_a_better_level_stays_backlogged() {
         advance(Duration::from_secs(3));
         s.release(permit);
     }
-    // At its fourth pick low has waited 9 s against 3 s for high's head:
-    // 40 - 90 beats 10 - 30 (at the third, 40 - 60 ties 10 - 30, and the
-    // tie goes to the better level).
-    assert_eq!(picked, ["high", "high", "high", "low", "high", "high"]);
+    picked
+}
+
+#[test]
+fn an_aging_bound_too_long_for_a_duration_is_the_longest_one() {
+    assert_eq!(Aging::new(0.1, i64::MAX).bound(), Some(Duration::MAX));
+    assert_eq!(Aging::new(1e-310, 1).bound(), Some(Duration::MAX));
+    assert_eq!(Aging::new(10.0, 50).bound(), Some(Duration::from_secs(5)));
 }
 
 thread_local! {
