@@ -84,6 +84,11 @@ impl Monitor {
 
     /// Sends the query to every core before awaiting any answer, so the
     /// cores answer side by side.
+    ///
+    /// An answer is awaited until its core's queue is gone as well: a
+    /// query sent in the instant its core drops the queue can stay in the
+    /// channel, neither answered nor dropped (tokio's send checks that the
+    /// channel is open, then pushes), for as long as this monitor lives.
     async fn ask<T>(&self, query: fn(Reply<T>) -> Query) -> Vec<Option<T>> {
         let answers: Vec<_> = self
             .cores
@@ -93,12 +98,17 @@ impl Monitor {
                 // A failed send drops the reply with the query: its
                 // answer below reads as `None`.
                 let _ = core.send(query(reply));
-                answer
+                (core, answer)
             })
             .collect();
         let mut results = Vec::with_capacity(answers.len());
-        for answer in answers {
-            results.push(answer.await.ok().flatten());
+        for (core, mut answer) in answers {
+            let answered = tokio::select! {
+                biased;
+                answered = &mut answer => answered.ok(),
+                () = core.closed() => answer.try_recv().ok(),
+            };
+            results.push(answered.flatten());
         }
         results
     }
