@@ -148,9 +148,10 @@ impl<L: PriorityLevel, S: PriorityLevel> TopicFamily<L, S> {
     }
 
     /// The family's topics, level by level, after checking every rule:
-    /// distinct lowercased names, non-negative sublevels, and a largest
+    /// distinct lowercased names, non-negative sublevels, a largest
     /// sublevel below the smallest gap between level values (so that every
-    /// topic of a level outranks every topic of the next).
+    /// topic of a level outranks every topic of the next), and every
+    /// level plus sublevel within `i64`.
     pub fn topics(&self) -> Result<Vec<FamilyTopic>, Error> {
         let levels = L::members();
         let sublevels = S::members();
@@ -198,9 +199,22 @@ impl<L: PriorityLevel, S: PriorityLevel> TopicFamily<L, S> {
                 });
             }
             for sublevel in sublevels {
+                // Saturated, two sublevels would share a priority.
+                let priority = level.value().checked_add(sublevel.value()).ok_or_else(|| {
+                    invalid(
+                        "sublevels",
+                        format!(
+                            "{} plus {} ({} + {}) is beyond the largest priority",
+                            level.name(),
+                            sublevel.name(),
+                            level.value(),
+                            sublevel.value()
+                        ),
+                    )
+                })?;
                 topics.push(FamilyTopic {
                     name: format!("{level_name}_{}", lower(sublevel.name())),
-                    priority: level.value().saturating_add(sublevel.value()),
+                    priority,
                     retry_topic: retry_topic.clone(),
                 });
             }
@@ -325,6 +339,17 @@ mod tests {
         }
         let error = TopicFamily::<clash::Clash>::new("x").topics().unwrap_err();
         assert!(error.to_string().contains("\"live\""), "{error}");
+    }
+
+    #[test]
+    fn a_level_and_sublevel_beyond_the_largest_priority_are_refused() {
+        crate::priorities! { enum Top { Top = 9_223_372_036_854_775_797 } }
+        // Top + High fits; Top + Low and Top + Retry would both saturate.
+        let error = TopicFamily::<Top, Sub>::new("x").topics().unwrap_err();
+        assert!(
+            matches!(&error, Error::InvalidOption { option: "sublevels", reason } if reason.contains("Low")),
+            "{error}"
+        );
     }
 
     #[test]

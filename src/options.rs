@@ -19,7 +19,7 @@ use crate::engine::SubscriptionSpec;
 use crate::error::{checked_duration, Error, MAX_KEY_BUFFER};
 use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::scheduler::{Ordering, SubscriptionConfig};
-use crate::topic::{full_topic_name, is_non_persistent};
+use crate::topic::{full_topic_name, is_non_persistent, overlap};
 use crate::transport::ConsumerSpec;
 pub use crate::transport::{DEFAULT_PARTITION_REFRESH_INTERVAL, DEFAULT_STALL_CHECK};
 
@@ -444,6 +444,15 @@ impl SubscribeOptions {
         if self.receiver_queue_size == 0 {
             return Err(invalid("receiver_queue_size", "must be at least 1"));
         }
+        if self.receiver_queue_size > i32::MAX as u32 {
+            // The broker reads it as an `int`: a negative count of permits
+            // makes it drop the connection, every consumer and producer on
+            // it with it, again at each reconnection.
+            return Err(invalid(
+                "receiver_queue_size",
+                "must be at most 2,147,483,647 (the broker reads it as an int)",
+            ));
+        }
         if self
             .subscription
             .as_ref()
@@ -560,11 +569,11 @@ impl SubscribeOptions {
         } else {
             let dead_letter_topic =
                 persistent_topic("dead_letter_policy", &policy.dead_letter_topic)?;
-            if dead_letter_topic == topic {
+            if overlap(&dead_letter_topic, topic) {
                 return Err(Error::InvalidOption {
                     option: "dead_letter_policy",
                     reason: format!(
-                        "{topic} is the subscription's own topic: its dead letters would come back to the handler that failed them"
+                        "{dead_letter_topic} is the subscription's own topic {topic}, or a partition of one of them: its dead letters would come back to the handler that failed them"
                     ),
                 });
             }

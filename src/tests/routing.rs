@@ -775,6 +775,13 @@ fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
                 "dead_letter_policy",
                 dead_letters_to("persistent://public/default/orders"),
             ),
+            // ... or to a partition of it.
+            ("dead_letter_policy", dead_letters_to("orders-partition-0")),
+            // The broker reads it as an int, and drops the connection.
+            (
+                "receiver_queue_size",
+                routed_options().receiver_queue_size(i32::MAX as u32 + 1),
+            ),
             // Topics that keep nothing for a subscriber not connected,
             // where the original is acked once published.
             (
@@ -795,6 +802,20 @@ fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
         }
         assert_eq!(transport.open_consumers(), 0);
         assert!(dispatcher.subscriptions().is_empty());
+        // A partition whose dead letters would go to its partitioned topic.
+        let refused = dispatcher
+            .subscribe("orders-partition-0", failing, dead_letters_to("orders"))
+            .await;
+        assert!(
+            matches!(
+                &refused,
+                Err(Error::InvalidOption {
+                    option: "dead_letter_policy",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
         // A dead letter policy is as good as a subscription name.
         let with_policy = SubscribeOptions::new()
             .fatal_errors(any())
