@@ -491,10 +491,6 @@ impl SubscribeOptions {
             ));
         }
         let dead_letter_policy = self.resolved_dead_letter_policy(topic)?;
-        let dead_letter_topic = match &dead_letter_policy {
-            Some(policy) => Some(policy.dead_letter_topic.clone()),
-            None => self.default_dead_letter_topic(topic),
-        };
         let dead_letters_from = if self.fatal_errors.is_some() {
             Some("fatal_errors")
         } else if self.max_retries.is_some() {
@@ -502,23 +498,16 @@ impl SubscribeOptions {
         } else {
             None
         };
-        match (&dead_letter_topic, dead_letters_from) {
-            (None, Some(option)) => {
-                return Err(invalid(
-                    option,
-                    "needs a dead letter topic: set a subscription name or a dead_letter_policy",
-                ))
-            }
-            (Some(default), Some(option)) if is_non_persistent(default) => {
-                return Err(invalid(option, &non_persistent_default(default)))
-            }
-            _ => {}
+        let dead_letter_topic = match &dead_letter_policy {
+            Some(policy) => Some(policy.dead_letter_topic.clone()),
+            None => self.default_dead_letter_topic(topic, dead_letters_from)?,
+        };
+        if let (None, Some(option)) = (&dead_letter_topic, dead_letters_from) {
+            return Err(invalid(
+                option,
+                "needs a dead letter topic: set a subscription name or a dead_letter_policy",
+            ));
         }
-        // A default that is non-persistent, where this subscription does not
-        // dead-letter itself, is not stamped on its retries either: the
-        // retry topic's subscription, which would follow it, dead-letters
-        // to its own.
-        let dead_letter_topic = dead_letter_topic.filter(|topic| !is_non_persistent(topic));
         let retry = match (&self.retry_topic, &self.retry_errors) {
             (Some(retry_topic), Some(errors)) => Some(RetryPolicy {
                 topic: persistent_topic("retry_topic", retry_topic)?,
@@ -553,19 +542,11 @@ impl SubscribeOptions {
             return Ok(None);
         };
         let dead_letter_topic = if policy.dead_letter_topic.is_empty() {
-            let default =
-                self.default_dead_letter_topic(topic)
-                    .ok_or_else(|| Error::InvalidOption {
-                        option: "dead_letter_policy",
-                        reason: "needs a dead_letter_topic or a subscription name".to_owned(),
-                    })?;
-            if is_non_persistent(&default) {
-                return Err(Error::InvalidOption {
+            self.default_dead_letter_topic(topic, Some("dead_letter_policy"))?
+                .ok_or_else(|| Error::InvalidOption {
                     option: "dead_letter_policy",
-                    reason: non_persistent_default(&default),
-                });
-            }
-            default
+                    reason: "needs a dead_letter_topic or a subscription name".to_owned(),
+                })?
         } else {
             let dead_letter_topic =
                 persistent_topic("dead_letter_policy", &policy.dead_letter_topic)?;
@@ -586,20 +567,35 @@ impl SubscribeOptions {
     }
 
     /// Pulsar's default dead letter topic, `<topic>-<subscription>-DLQ`, for
-    /// a named subscription.
-    fn default_dead_letter_topic(&self, topic: &str) -> Option<String> {
-        self.subscription
-            .as_ref()
-            .map(|subscription| format!("{topic}-{subscription}-DLQ"))
+    /// a named subscription. A non-persistent topic's default is
+    /// non-persistent too, and keeps nothing for a subscriber that is not
+    /// connected: refused, as a named one would be, with the option
+    /// (`sent_by`) that would send dead letters there; with none, there is
+    /// no dead letter topic (not stamped on retries either: the retry
+    /// topic's subscription, which would follow it, dead-letters to its
+    /// own).
+    fn default_dead_letter_topic(
+        &self,
+        topic: &str,
+        sent_by: Option<&'static str>,
+    ) -> Result<Option<String>, Error> {
+        let Some(subscription) = &self.subscription else {
+            return Ok(None);
+        };
+        let default = format!("{topic}-{subscription}-DLQ");
+        if !is_non_persistent(&default) {
+            return Ok(Some(default));
+        }
+        match sent_by {
+            None => Ok(None),
+            Some(option) => Err(Error::InvalidOption {
+                option,
+                reason: format!(
+                    "the default dead letter topic, {default}, is non-persistent like its topic and keeps nothing for a subscriber that is not connected: set a dead_letter_policy with a persistent dead_letter_topic"
+                ),
+            }),
+        }
     }
-}
-
-/// Why the default dead letter topic of a non-persistent topic, itself
-/// non-persistent, is refused (as a named one would be).
-fn non_persistent_default(default: &str) -> String {
-    format!(
-        "the default dead letter topic, {default}, is non-persistent like its topic and keeps nothing for a subscriber that is not connected: set a dead_letter_policy with a persistent dead_letter_topic"
-    )
 }
 
 /// The full name of a topic an option names; a malformed one is refused
