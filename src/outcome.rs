@@ -7,6 +7,8 @@
 
 use pulsar::SubType;
 
+use crate::error::Error;
+
 /// The error type handlers' errors are converted to. Any `std::error::Error`
 /// converts, as do `String`, `&str` and `anyhow::Error` (with the `anyhow`
 /// feature, on by default, [`ErrorClass`](crate::ErrorClass) sees the
@@ -131,6 +133,17 @@ impl std::fmt::Display for AnyhowError {
 impl std::error::Error for AnyhowError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(&*self.0)
+    }
+}
+
+/// The failure of a dispatcher one of whose own steps (or its transport's,
+/// called from one) panicked: a bug, which stops it.
+pub(crate) fn panicked(
+    what: impl std::fmt::Display,
+    payload: &(dyn std::any::Any + Send),
+) -> Error {
+    Error::EngineFailed {
+        reason: format!("{what} panicked: {}", panic_text(payload)),
     }
 }
 

@@ -16,7 +16,7 @@ use tracing::{debug, error, info, warn};
 use super::subscription::Subscription;
 use super::{wait_until, Delivery, Engine, Phase, NO_POOL};
 use crate::error::{Error, ErrorChain, MAX_DURATION};
-use crate::outcome::panic_text;
+use crate::outcome::panicked;
 use crate::routing::{retry_topic_problems, RetryTopicCheck};
 use crate::transport::Transport;
 
@@ -83,9 +83,7 @@ impl<T: Transport> Engine<T> {
         let Err(panic) = driven else {
             return;
         };
-        self.fail(Error::EngineFailed {
-            reason: format!("the engine task panicked: {}", panic_text(panic.as_ref())),
-        });
+        self.fail(panicked("the engine task", panic.as_ref()));
         let closed = AssertUnwindSafe(self.shut_down()).catch_unwind().await;
         if closed.is_err() {
             self.mark_closed();
@@ -335,39 +333,34 @@ impl<T: Transport> Engine<T> {
     /// for their delay), then closes its consumer; a step that panics fails
     /// the dispatcher, and the next still runs.
     pub(super) async fn close_consumer(&self, subscription: &Subscription<T>) {
-        let sent = std::panic::catch_unwind(AssertUnwindSafe(|| subscription.send_held_nacks()));
-        self.survive("sending held nacks", sent);
-        let closed = AssertUnwindSafe(subscription.close()).catch_unwind().await;
-        self.survive("closing a consumer", closed);
+        let sending = async { subscription.send_held_nacks() };
+        self.survive("sending held nacks", sending).await;
+        self.survive("closing a consumer", subscription.close())
+            .await;
     }
 
     async fn close_transport(&self) {
         if self.metrics_interval.is_some() {
             self.publish_metrics(Instant::now());
         }
-        let producers = AssertUnwindSafe(self.router.close()).catch_unwind().await;
-        self.survive("closing the producers", producers);
-        match AssertUnwindSafe(self.transport.close())
-            .catch_unwind()
-            .await
-        {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => {
+        self.survive("closing the producers", self.router.close())
+            .await;
+        let closing = async {
+            if let Err(error) = self.transport.close().await {
                 error!(%error, "closing the connection failed");
                 self.failure.borrow_mut().get_or_insert(Error::Close(error));
             }
-            Err(panic) => self.survive("closing the connection", Err(panic)),
-        }
+        };
+        self.survive("closing the connection", closing).await;
         self.mark_closed();
         info!("dispatcher closed");
     }
 
-    /// A closing step that panicked fails the dispatcher; the next runs.
-    pub(super) fn survive(&self, step: &str, outcome: std::thread::Result<()>) {
-        if let Err(panic) = outcome {
-            self.fail(Error::EngineFailed {
-                reason: format!("{step} panicked: {}", panic_text(panic.as_ref())),
-            });
+    /// Runs a closing step; one that panics (a transport's bug) fails the
+    /// dispatcher, and the steps after it still run.
+    pub(super) async fn survive(&self, step: &str, work: impl Future<Output = ()>) {
+        if let Err(panic) = AssertUnwindSafe(work).catch_unwind().await {
+            self.fail(panicked(step, panic.as_ref()));
         }
     }
 

@@ -4,10 +4,8 @@
 //! them.
 
 use std::any::TypeId;
-use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 
-use futures::FutureExt;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -323,10 +321,8 @@ impl<T: Transport> Engine<T> {
         if self.phase() != Phase::Closed {
             // Shutdown closes every producer itself.
             let topics = subscription.routing.producer_topics();
-            let released = AssertUnwindSafe(self.router.release(&topics))
-                .catch_unwind()
+            self.survive("closing the producers", self.router.release(&topics))
                 .await;
-            self.survive("closing the producers", released);
         }
         if self.metrics_interval.is_some() {
             // Its last numbers: what it counted since the last tick would

@@ -28,7 +28,7 @@ use crate::error::{Error, ErrorChain, TransportError};
 use crate::hash::hash_key;
 use crate::log_limit::LogLimit;
 use crate::message::{Message, MessageId};
-use crate::outcome::{panic_text, SubscriptionInfo, Verdict};
+use crate::outcome::{panicked, SubscriptionInfo, Verdict};
 use crate::routing::RoutingPolicy;
 use crate::scheduler::{Ordering, SubscriptionConfig, SubscriptionKey};
 use crate::transport::{Consumer, ConsumerSpec, Transport};
@@ -404,13 +404,8 @@ impl<T: Transport> Subscription<T> {
     #[inline(never)]
     fn receive_panicked(&self, panic: Box<dyn std::any::Any + Send>) -> Received {
         self.receiving.set(false);
-        Received::Failed(Error::EngineFailed {
-            reason: format!(
-                "receiving from {} panicked: {}",
-                self.info.topic,
-                panic_text(panic.as_ref())
-            ),
-        })
+        let receiving = format!("receiving from {}", self.info.topic);
+        Received::Failed(panicked(receiving, panic.as_ref()))
     }
 
     /// What a poll that gave no message means.

@@ -38,9 +38,8 @@ use tracing::{warn, Instrument};
 use super::stats::bump;
 use super::subscription::Subscription;
 use super::{Delivery, Engine, Handler, MessageBox, Phase, Pool};
-use crate::error::Error;
 use crate::message::Message;
-use crate::outcome::{panic_text, Deadline, HandlerError, IntoReply, Outcome, Verdict};
+use crate::outcome::{panicked, Deadline, HandlerError, IntoReply, Outcome, Verdict};
 use crate::routing::{Action, Publish};
 use crate::scheduler::Permit;
 use crate::transport::Transport;
@@ -397,12 +396,7 @@ fn poll_caught<F: Future>(
 /// stops it.
 #[inline(never)]
 fn settling_panicked<T: Transport>(engine: &Engine<T>, panic: Box<dyn std::any::Any + Send>) {
-    engine.fail(Error::EngineFailed {
-        reason: format!(
-            "settling a message panicked: {}",
-            panic_text(panic.as_ref())
-        ),
-    });
+    engine.fail(panicked("settling a message", panic.as_ref()));
 }
 
 /// Why an idle worker woke.
