@@ -866,23 +866,20 @@ impl<T: Transport> Engine<T> {
             PublishKind::Retry => &counters.retried,
             PublishKind::DeadLetter => &counters.dead_lettered,
         };
-        // A publish cancelled before it ends (its worker aborted at the
-        // shutdown deadline) counts as failed, as its original is nacked.
-        struct Unfinished<'a>(Option<&'a Cell<u64>>);
-        impl Drop for Unfinished<'_> {
+        // Counted as it ends, however: a publish cancelled before its end
+        // (its worker aborted at the shutdown deadline) counts as failed,
+        // as its original is nacked.
+        struct CountAtEnd<'a>(&'a Cell<u64>);
+        impl Drop for CountAtEnd<'_> {
             fn drop(&mut self) {
-                if let Some(failed) = self.0 {
-                    bump(failed);
-                }
+                bump(self.0);
             }
         }
-        let mut unfinished = Unfinished(Some(&counters.publishes_failed));
+        let mut count = CountAtEnd(&counters.publishes_failed);
         let verdict = self.router.publish(&self.transport, publish, message).await;
-        unfinished.0 = None;
-        bump(match verdict {
-            Verdict::Ack => published,
-            Verdict::Nack => &counters.publishes_failed,
-        });
+        if verdict == Verdict::Ack {
+            count.0 = published;
+        }
         verdict
     }
 }
