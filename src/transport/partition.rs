@@ -217,11 +217,9 @@ pub(super) struct Partition {
     /// Settlements made while the consumer is being replaced or checked:
     /// (id, ack?).
     pending: Vec<(MessageIdData, bool)>,
-    /// When its stream last ended (the crate gave up on its connection);
-    /// while it is being subscribed again, since when.
-    stream_ended_at: Option<tokio::time::Instant>,
-    /// When it was last subscribed again after its stream ended.
-    reopened_at: Option<tokio::time::Instant>,
+    /// Its last outage: when its stream ended (the crate gave up on its
+    /// connection), and when it was subscribed again, if it is yet.
+    outage: Option<Outage>,
     /// On a persistent Failover subscription with the check on.
     stall: Option<StallCheck>,
     subscriber: Rc<Subscriber>,
@@ -253,8 +251,7 @@ impl Partition {
             topic: Rc::from(topic),
             state: State::Open(Box::new(consumer)),
             pending: Vec::new(),
-            stream_ended_at: None,
-            reopened_at: None,
+            outage: None,
             stall,
             subscriber,
         }
@@ -303,7 +300,9 @@ impl Partition {
                     Poll::Ready(Ok(consumer)) => {
                         info!(topic = %self.topic, "subscribed again");
                         self.state = State::Open(Box::new(consumer));
-                        self.reopened_at = Some(tokio::time::Instant::now());
+                        if let Some(outage) = &mut self.outage {
+                            outage.reopened = Some(tokio::time::Instant::now());
+                        }
                         self.send_pending();
                     }
                     Poll::Ready(Err(error)) => {
@@ -399,7 +398,7 @@ impl Partition {
     /// When its stream ended, while it is being subscribed again.
     pub(super) fn resubscribing_since(&self) -> Option<tokio::time::Instant> {
         match self.state {
-            State::Resubscribing(_) => self.stream_ended_at,
+            State::Resubscribing(_) => self.outage.map(|outage| outage.ended),
             State::Open(_) | State::Checking(_) => None,
         }
     }
@@ -408,16 +407,15 @@ impl Partition {
     /// it may have been lost with the connection, and acks made during it
     /// were held until it was subscribed again.
     pub(super) fn outage(&self) -> Option<Outage> {
-        let ended = self.stream_ended_at?;
-        Some(Outage {
-            ended,
-            reopened: self.reopened_at.filter(|&at| at >= ended),
-        })
+        self.outage
     }
 
     fn resubscribe(&mut self, after: Duration) {
         if self.resubscribing_since().is_none() {
-            self.stream_ended_at = Some(tokio::time::Instant::now());
+            self.outage = Some(Outage {
+                ended: tokio::time::Instant::now(),
+                reopened: None,
+            });
         }
         if let Some(stall) = &mut self.stall {
             // The new consumer is given everything unacknowledged again.
