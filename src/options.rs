@@ -19,7 +19,7 @@ use crate::engine::SubscriptionSpec;
 use crate::error::{checked_duration, Error, MAX_KEY_BUFFER};
 use crate::routing::{RetryPolicy, RoutingPolicy};
 use crate::scheduler::{Ordering, SubscriptionConfig};
-use crate::topic::{full_topic_name, is_non_persistent, overlap};
+use crate::topic::{full_topic_name, is_non_persistent, overlap, refuse_non_persistent};
 use crate::transport::ConsumerSpec;
 pub use crate::transport::{DEFAULT_PARTITION_REFRESH_INTERVAL, DEFAULT_STALL_CHECK};
 
@@ -608,19 +608,10 @@ fn option_topic(option: &'static str, name: &str) -> Result<String, Error> {
 }
 
 /// The full name of a topic that keeps the messages the dispatcher lets
-/// go of (a retry or dead letter topic given by name): it must be
-/// persistent, since the original is acked once published there and a
-/// non-persistent topic keeps nothing for a subscriber that is not
-/// connected.
+/// go of (a retry or dead letter topic given by name), which must be
+/// persistent (see `refuse_non_persistent`).
 fn persistent_topic(option: &'static str, name: &str) -> Result<String, Error> {
     let full_name = option_topic(option, name)?;
-    if is_non_persistent(&full_name) {
-        return Err(Error::InvalidOption {
-            option,
-            reason: format!(
-                "{full_name} is non-persistent: it keeps nothing for a subscriber that is not connected"
-            ),
-        });
-    }
+    refuse_non_persistent(option, &full_name)?;
     Ok(full_name)
 }

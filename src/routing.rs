@@ -28,7 +28,7 @@ use crate::error::{Error, ErrorChain, RetryTopicProblem, TransportError};
 use crate::log_limit::LogLimit;
 use crate::message::Message;
 use crate::outcome::{panic_text, Outcome, SubscriptionInfo, Verdict};
-use crate::topic::{full_topic_name, is_non_persistent, overlap};
+use crate::topic::{full_topic_name, is_non_persistent, overlap, refuse_non_persistent};
 use crate::transport::{OutgoingMessage, Producer, Transport};
 
 /// How many times a message has been retried (Java client convention).
@@ -68,14 +68,7 @@ impl DeadLetterTargets {
     /// that is not connected, and the original is acked once published.
     pub fn allow(mut self, topic: &str) -> Result<Self, Error> {
         let full = full_topic_name(topic)?;
-        if is_non_persistent(&full) {
-            return Err(Error::InvalidOption {
-                option: "dead_letter_targets",
-                reason: format!(
-                    "{full} is non-persistent: it keeps nothing for a subscriber that is not connected"
-                ),
-            });
-        }
+        refuse_non_persistent("dead_letter_targets", &full)?;
         self.allowed.insert(full);
         Ok(self)
     }

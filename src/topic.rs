@@ -68,6 +68,22 @@ pub(crate) fn overlap(first: &str, second: &str) -> bool {
         || partitioned_topic_of(second) == Some(first)
 }
 
+/// Refuses, for `option`, a topic that must keep the messages the
+/// dispatcher lets go of (a retry or dead letter topic: the original is
+/// acked once published there) when it is non-persistent, which keeps
+/// nothing for a subscriber that is not connected.
+pub(crate) fn refuse_non_persistent(option: &'static str, full_name: &str) -> Result<(), Error> {
+    if !is_non_persistent(full_name) {
+        return Ok(());
+    }
+    Err(Error::InvalidOption {
+        option,
+        reason: format!(
+            "{full_name} is non-persistent: it keeps nothing for a subscriber that is not connected"
+        ),
+    })
+}
+
 /// Whether a full topic name is of a non-persistent topic: one whose
 /// broker keeps nothing to deliver again, and which gives its messages no
 /// ids of their own (every message of a partition is `0:0`).
