@@ -44,6 +44,11 @@ fn dispatcher(concurrency: usize) -> (Dispatcher<MemoryTransport>, MemoryTranspo
     (dispatcher, transport)
 }
 
+/// Whether `result` is an `Error::InvalidOption` naming `option`.
+fn refused_for<T>(result: &Result<T, Error>, option: &str) -> bool {
+    matches!(result, Err(Error::InvalidOption { option: named, .. }) if *named == option)
+}
+
 fn options(priority: i64) -> SubscribeOptions {
     SubscribeOptions::new()
         .priority(priority)
@@ -797,16 +802,11 @@ fn misuse_is_refused_with_a_typed_error() {
             Err(Error::ZeroConcurrency)
         ));
         // Refused before connecting: nothing listens on port 1.
-        assert!(matches!(
-            Dispatcher::builder()
-                .max_message_size(0)
-                .connect("pulsar://127.0.0.1:1")
-                .await,
-            Err(Error::InvalidOption {
-                option: "max_message_size",
-                ..
-            })
-        ));
+        let refused = Dispatcher::builder()
+            .max_message_size(0)
+            .connect("pulsar://127.0.0.1:1")
+            .await;
+        assert!(refused_for(&refused, "max_message_size"));
         let (dispatcher, transport) = dispatcher(1);
         let refused = dispatcher
             .subscribe(
@@ -815,13 +815,7 @@ fn misuse_is_refused_with_a_typed_error() {
                 options(1).receiver_queue_size(0),
             )
             .await;
-        assert!(matches!(
-            refused,
-            Err(Error::InvalidOption {
-                option: "receiver_queue_size",
-                ..
-            })
-        ));
+        assert!(refused_for(&refused, "receiver_queue_size"));
         let refused = dispatcher
             .subscribe("a//b", recorder(&Log::default(), "x"), options(1))
             .await;
