@@ -246,13 +246,7 @@ fn partition_names(topic: &str, kind: TopicKind) -> Vec<String> {
 /// the broker delivers everything from there again, acked or not. Blocks;
 /// call it from `spawn_blocking` inside a runtime.
 pub fn reset_cursor(topic: &str, subscription: &str, timestamp_millis: u64) {
-    let path = format!(
-        "/admin/v2/persistent/{}/subscription/{subscription}/resetcursor/{timestamp_millis}",
-        topic_path(topic)
-    );
-    let (status, body) = admin_request("POST", &path, None)
-        .unwrap_or_else(|e| panic!("POST {}{path}: {e}", web_url()));
-    assert_eq!(status, 204, "resetting {subscription} on {topic}: {body}");
+    post_reset(topic, subscription, &format!("/{timestamp_millis}"), None);
 }
 
 /// Resets `subscription`'s cursor on `topic` (a plain topic, or one
@@ -260,12 +254,17 @@ pub fn reset_cursor(topic: &str, subscription: &str, timestamp_millis: u64) {
 /// API: the broker delivers that entry and everything after it again. Blocks;
 /// call it from `spawn_blocking` inside a runtime.
 pub fn reset_cursor_to_entry(topic: &str, subscription: &str, ledger: u64, entry: u64) {
+    let position = format!(r#"{{"ledgerId":{ledger},"entryId":{entry}}}"#);
+    post_reset(topic, subscription, "", Some(&position));
+}
+
+/// Posts a cursor reset: to `resetcursor` followed by `suffix`, with `body`.
+fn post_reset(topic: &str, subscription: &str, suffix: &str, body: Option<&str>) {
     let path = format!(
-        "/admin/v2/persistent/{}/subscription/{subscription}/resetcursor",
+        "/admin/v2/persistent/{}/subscription/{subscription}/resetcursor{suffix}",
         topic_path(topic)
     );
-    let body = format!(r#"{{"ledgerId":{ledger},"entryId":{entry}}}"#);
-    let (status, answer) = admin_request("POST", &path, Some(&body))
+    let (status, answer) = admin_request("POST", &path, body)
         .unwrap_or_else(|e| panic!("POST {}{path}: {e}", web_url()));
     assert_eq!(status, 204, "resetting {subscription} on {topic}: {answer}");
 }
