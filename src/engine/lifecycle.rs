@@ -357,11 +357,20 @@ impl<T: Transport> Engine<T> {
     }
 
     /// Runs a closing step; one that panics (a transport's bug) fails the
-    /// dispatcher, and the steps after it still run.
-    pub(super) async fn survive(&self, step: &str, work: impl Future<Output = ()>) {
-        if let Err(panic) = AssertUnwindSafe(work).catch_unwind().await {
-            self.fail(panicked(step, panic.as_ref()));
-        }
+    /// dispatcher, and the steps after it still run. Not an `async fn`:
+    /// as one, it kept `work` and its guarded copy in one more state
+    /// machine, and overflowed a test thread's stack in a debug build
+    /// (`tests/routing_pulsar.rs`, the burst of replies).
+    pub(super) fn survive<'a>(
+        &'a self,
+        step: &'a str,
+        work: impl Future<Output = ()> + 'a,
+    ) -> impl Future<Output = ()> + 'a {
+        AssertUnwindSafe(work).catch_unwind().map(move |caught| {
+            if let Err(panic) = caught {
+                self.fail(panicked(step, panic.as_ref()));
+            }
+        })
     }
 
     fn mark_closed(&self) {
