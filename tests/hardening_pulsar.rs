@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::convert::Infallible;
 use std::rc::Rc;
 use std::time::Duration;
@@ -231,6 +231,80 @@ fn a_terminated_topic_is_drained_and_the_dispatcher_goes_on() {
             wait_for_empty_backlog(&retired, &subscription).await;
             close_and_join(&dispatcher, run).await;
             assert_eq!(handled_on(&retired), 10, "{kind:?}: each handled once");
+        }
+    });
+}
+
+/// An operator terminates a topic while the dispatcher holds its messages:
+/// one in a handler, one waiting in the subscription's slot, the rest in
+/// the consumer's queue. The broker reports the end of the topic (which
+/// ends the `pulsar` crate's consumer) only once the backlog is acked, so
+/// every held message is handled once and acked through the consumer that
+/// delivered it, no ack fails, and the backlog empties; plain and
+/// partitioned topics, Exclusive and Shared.
+#[test]
+fn a_topic_terminated_while_its_messages_are_held_acks_each_once() {
+    run_local(Duration::from_secs(180), async {
+        for (kind, subscription_type) in [
+            (TopicKind::Plain, SubType::Exclusive),
+            (TopicKind::Plain, SubType::Shared),
+            (TopicKind::Partitioned(3), SubType::Exclusive),
+            (TopicKind::Partitioned(3), SubType::Shared),
+        ] {
+            let case = format!("{kind:?}, {subscription_type:?}");
+            let topic = fresh_topic("terminated", kind);
+            let subscription = unique_name("sub");
+            let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
+            let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
+            let released = Rc::new(Cell::new(false));
+            let handler = {
+                let (handled, released) = (handled.clone(), released.clone());
+                async move |message: &Message| {
+                    handled.borrow_mut().push(payload_number(message));
+                    while !released.get() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Ok::<_, Infallible>(())
+                }
+            };
+            // A queue that takes the whole backlog, so the broker delivers
+            // it all and then reports the end of the topic.
+            let options = SubscribeOptions::new()
+                .subscription(&subscription)
+                .subscription_type(subscription_type)
+                .receiver_queue_size(100);
+            dispatcher
+                .subscribe(&topic, handler, options)
+                .await
+                .unwrap();
+            let run = start(&dispatcher);
+            common::publish(&topic, keyed_messages(10, 3)).await;
+            wait_until(
+                &format!("{case}: the first message"),
+                Duration::from_secs(20),
+                || handled.borrow().len() == 1,
+            )
+            .await;
+            {
+                let topic = topic.clone();
+                tokio::task::spawn_blocking(move || terminate(&topic, kind))
+                    .await
+                    .unwrap();
+            }
+            // Time for the termination to reach the consumers.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            assert_eq!(handled.borrow().len(), 1, "{case}: one handler at a time");
+            released.set(true);
+            let stats = wait_for_empty_backlog(&topic, &subscription).await;
+            assert_eq!(stats.msg_backlog, 0, "{case}: every message acked");
+            // Time for a message whose ack was lost to come back.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let acks_failed = dispatcher.stats().total().acks_failed;
+            close_and_join(&dispatcher, run).await;
+            let mut handled = handled.take();
+            handled.sort_unstable();
+            assert_eq!(handled, (0..10).collect::<Vec<_>>(), "{case}: each once");
+            assert_eq!(acks_failed, 0, "{case}: no ack failed");
         }
     });
 }
