@@ -24,6 +24,8 @@
 //! `cargo xtask demo observability` runs it that way. Logs go to stderr, or
 //! to the file named by `DEMO_LOG`.
 
+#[path = "support/demo_env.rs"]
+mod demo_env;
 #[path = "observability/http.rs"]
 mod http;
 
@@ -66,13 +68,13 @@ struct Busy;
 type Outcome = Result<(), Box<dyn Error>>;
 
 fn main() -> Result<(), Box<dyn Error>> {
-    init_logging()?;
+    demo_env::init_logging("warn,pulsar=error,pulsar_dispatcher=info")?;
     let url = std::env::var("PULSAR_URL").unwrap_or_else(|_| "pulsar://127.0.0.1:6650".into());
     let demo_messages: Option<usize> = std::env::var("DEMO_MESSAGES")
         .ok()
         .map(|n| n.parse().expect("DEMO_MESSAGES is a number"));
     if demo_messages.is_some() {
-        skip_leftovers();
+        demo_env::skip_leftovers(TOPICS.map(|(topic, _)| (topic, SUBSCRIPTION)));
         // The demo panics on purpose: one line instead of the whole report.
         std::panic::set_hook(Box::new(|panic| {
             eprintln!(
@@ -198,23 +200,9 @@ async fn publish(url: &str, total: usize) -> Result<(), pulsar::Error> {
     let client = pulsar::Pulsar::builder(url, pulsar::TokioExecutor)
         .build()
         .await?;
-    let mut producers = Vec::new();
-    for (topic, _) in &TOPICS[..2] {
-        // All the sends are queued before any receipt is awaited: wait for
-        // room in the client's queue (100 per connection) instead of failing.
-        let options = pulsar::ProducerOptions {
-            block_queue_if_full: true,
-            ..Default::default()
-        };
-        producers.push(
-            client
-                .producer()
-                .with_topic(*topic)
-                .with_options(options)
-                .build()
-                .await?,
-        );
-    }
+    // All the sends are queued before any receipt is awaited.
+    let mut producers =
+        demo_env::producers(&client, TOPICS[..2].iter().map(|(topic, _)| *topic)).await?;
     let mut receipts = Vec::new();
     for n in 1..=total {
         let payload = format!("message-{n}:{}", kind(n));
@@ -317,44 +305,5 @@ async fn bind() -> Result<TcpListener, Box<dyn Error>> {
             Ok(TcpListener::bind(("127.0.0.1", 0)).await?)
         }
         Err(error) => Err(error.into()),
-    }
-}
-
-/// Logs to the file `DEMO_LOG` names, or to stderr; never into stdout.
-fn init_logging() -> Result<(), Box<dyn Error>> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| "warn,pulsar=error,pulsar_dispatcher=info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter);
-    match std::env::var_os("DEMO_LOG") {
-        Some(path) => logs
-            .with_ansi(false)
-            .with_writer(std::sync::Mutex::new(std::fs::File::create(path)?))
-            .init(),
-        None => logs.with_writer(std::io::stderr).init(),
-    }
-    Ok(())
-}
-
-/// For the demo only: skips whatever an interrupted earlier run left on
-/// its subscriptions, so that the counts start from this run's messages
-/// (through the broker's admin API at `PULSAR_WEB_URL`, default
-/// `http://127.0.0.1:8080`; a subscription that does not exist yet is fine).
-fn skip_leftovers() {
-    let web = std::env::var("PULSAR_WEB_URL").unwrap_or_else(|_| "http://127.0.0.1:8080".into());
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(15)))
-        .build()
-        .into();
-    for (topic, _) in TOPICS {
-        let url = format!(
-            "{}/admin/v2/persistent/public/default/{topic}/subscription/{SUBSCRIPTION}/skip_all",
-            web.trim_end_matches('/')
-        );
-        match agent.post(&url).send_empty() {
-            Ok(response) if response.status().is_success() || response.status() == 404 => {}
-            Ok(response) => eprintln!("POST {url}: HTTP {}", response.status()),
-            Err(error) => eprintln!("POST {url}: {error}"),
-        }
     }
 }

@@ -15,6 +15,9 @@
 //! an unavailable service once), prints each dispatch, and stops when all N
 //! are settled.
 
+#[path = "support/demo_env.rs"]
+mod demo_env;
+
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
@@ -46,18 +49,7 @@ struct ServiceUnavailable;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Logs go to the file DEMO_LOG names, or to stderr: never into the table.
-    let logs = tracing_subscriber::fmt().with_env_filter(
-        tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| "warn,pulsar=error,pulsar_dispatcher=error".into()),
-    );
-    match std::env::var_os("DEMO_LOG") {
-        Some(path) => logs
-            .with_ansi(false)
-            .with_writer(std::sync::Mutex::new(std::fs::File::create(path)?))
-            .init(),
-        None => logs.with_writer(std::io::stderr).init(),
-    }
+    demo_env::init_logging("warn,pulsar=error,pulsar_dispatcher=error")?;
     let url = std::env::var("PULSAR_URL").unwrap_or_else(|_| "pulsar://127.0.0.1:6650".into());
     let demo_messages: Option<usize> = std::env::var("DEMO_MESSAGES")
         .ok()
@@ -66,6 +58,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .run_until(run(url, demo_messages))
         .await
 }
+
+const SUBSCRIPTION: &str = "orders-sub";
 
 #[derive(Default)]
 struct Tally {
@@ -78,8 +72,15 @@ struct Tally {
 }
 
 async fn run(url: String, demo_messages: Option<usize>) -> Result<(), Box<dyn std::error::Error>> {
-    let dispatcher = Dispatcher::builder().concurrency(2).connect(&url).await?;
     let family = TopicFamily::<Level, Lane>::new("orders").retry_sublevel(Lane::Retry);
+    if demo_messages.is_some() {
+        let topics: Vec<String> = family.topics()?.into_iter().map(|t| t.name).collect();
+        tokio::task::spawn_blocking(move || {
+            demo_env::skip_leftovers(topics.iter().map(|topic| (topic.as_str(), SUBSCRIPTION)));
+        })
+        .await?;
+    }
+    let dispatcher = Dispatcher::builder().concurrency(2).connect(&url).await?;
     let tally = Rc::new(Tally::default());
     *tally.priorities.borrow_mut() = family
         .topics()?
@@ -95,7 +96,7 @@ async fn run(url: String, demo_messages: Option<usize>) -> Result<(), Box<dyn st
     let handler_tally = tally.clone();
     let handler = async move |message: &Message| process_order(&handler_tally, message).await;
     let options = SubscribeOptions::new()
-        .subscription("orders-sub")
+        .subscription(SUBSCRIPTION)
         .subscription_type(SubType::Shared)
         .fatal_errors(ErrorClass::of::<InvalidOrder>())
         .retry_errors(ErrorClass::of::<ServiceUnavailable>())
@@ -216,10 +217,7 @@ async fn publish_orders(url: &str, total: usize) -> Result<(), pulsar::Error> {
         "orders_live_low",
         "orders_live_high",
     ];
-    let mut producers = Vec::new();
-    for topic in topics {
-        producers.push(client.producer().with_topic(topic).build().await?);
-    }
+    let mut producers = demo_env::producers(&client, topics).await?;
     for n in 1..=total {
         let kind = if n % 5 == 0 {
             "invalid"

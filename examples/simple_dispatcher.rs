@@ -1,357 +1,118 @@
-//! The dispatcher at a glance: a backlog at two priorities drained best
-//! first, equal priorities taking turns, one delayed retry, one dead letter,
-//! and each subscription's statistics at the end.
-//!
-//! Five topics, one subscription each (priority in brackets, lower first):
-//!
-//! - `demo-payments` [10] and `demo-refunds` [10];
-//! - `demo-orders` [20], a partitioned topic (`cargo xtask demo` creates it
-//!   with 3 partitions; one subscription consumes them all), and
-//!   `demo-emails` [20];
-//! - `demo-retries` [30], where orders that failed with a retryable error
-//!   come back after a delay.
+//! Orders, payments and notifications, each topic with its own handler, at
+//! one priority: the three subscriptions take turns, at most
+//! [`CONCURRENCY`] handlers run at once, and each message is acked when its
+//! handler returns.
 //!
 //! Connects to `PULSAR_URL` (default `pulsar://127.0.0.1:6650`) and runs
-//! until Ctrl-C. With `DEMO_MESSAGES=N` (at least 8) it first publishes a
-//! backlog of N messages over the first four topics, then starts the
-//! dispatcher with room for two handlers at a time, prints one line per
-//! dispatch (a column per subscription), and stops once every message is
-//! settled: `payment-2` fails fatally (dead-lettered), `order-2` fails once
-//! with a retryable error (republished to `demo-retries`, then succeeds).
-//! `cargo xtask demo` runs it that way. Logs go to the file named by
-//! `DEMO_LOG`, or to stderr (errors only, unless `RUST_LOG` says otherwise),
-//! never into the table.
+//! until Ctrl-C. With `DEMO_MESSAGES=N` it first publishes N messages over
+//! the three topics and stops once all of them are handled
+//! (`cargo xtask demo simple` runs it that way). `examples/demo.rs` shows
+//! more: priorities, retries and dead letters.
+
+#[path = "support/demo_env.rs"]
+mod demo_env;
 
 use std::error::Error;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use pulsar_dispatcher::{
-    CloseHandle, Dispatcher, DispatcherStats, ErrorClass, Message, SubType, SubscribeOptions,
-};
+use pulsar_dispatcher::{CloseHandle, Dispatcher, Message, SubType, SubscribeOptions};
 
-/// Column title, topic and priority of each subscription. The first four
-/// get the backlog; the last takes the retries.
-const COLUMNS: [(&str, &str, i64); 5] = [
-    ("payments", "demo-payments", 10),
-    ("refunds", "demo-refunds", 10),
-    ("orders", "demo-orders", 20),
-    ("emails", "demo-emails", 20),
-    ("retries", RETRY_TOPIC, 30),
+/// Each topic and how long its handler works on a message.
+const TOPICS: [(&str, Duration); 3] = [
+    ("orders", Duration::from_millis(500)),
+    ("payments", Duration::from_millis(200)),
+    ("notifications", Duration::from_millis(50)),
 ];
-const PARTITIONED_TOPIC: &str = "demo-orders";
-const RETRY_TOPIC: &str = "demo-retries";
-const SUBSCRIPTION: &str = "demo";
-const CONCURRENCY: usize = 2;
-/// How long each handler works.
-const WORK: Duration = Duration::from_millis(100);
-
-/// Fatal: the message goes to the dead letter topic.
-#[derive(Debug, thiserror::Error)]
-#[error("card declined")]
-struct CardDeclined;
-
-/// Retryable: the message is republished to the retry topic with a delay.
-#[derive(Debug, thiserror::Error)]
-#[error("warehouse busy")]
-struct WarehouseBusy;
+const PRIORITY: i64 = 10;
+const CONCURRENCY: usize = 20;
 
 fn main() -> Result<(), Box<dyn Error>> {
-    init_logging()?;
+    demo_env::init_logging("warn,pulsar=error")?;
     let url = std::env::var("PULSAR_URL").unwrap_or_else(|_| "pulsar://127.0.0.1:6650".into());
-    let demo_messages: Option<usize> = std::env::var("DEMO_MESSAGES")
+    let messages: Option<u64> = std::env::var("DEMO_MESSAGES")
         .ok()
         .map(|n| n.parse().expect("DEMO_MESSAGES is a number"));
-    if demo_messages.is_some() {
-        skip_leftovers();
+    if messages.is_some() {
+        let subscriptions = TOPICS.map(|(topic, _)| (topic, subscription(topic)));
+        demo_env::skip_leftovers(
+            subscriptions
+                .iter()
+                .map(|(topic, name)| (*topic, name.as_str())),
+        );
     }
+    // One thread: the dispatcher and its handlers run on a `LocalSet`.
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?
-        .block_on(tokio::task::LocalSet::new().run_until(run(url, demo_messages)))
+        .block_on(tokio::task::LocalSet::new().run_until(run(url, messages)))
 }
 
-async fn run(url: String, demo_messages: Option<usize>) -> Result<(), Box<dyn Error>> {
+async fn run(url: String, messages: Option<u64>) -> Result<(), Box<dyn Error>> {
     let dispatcher = Dispatcher::builder()
         .concurrency(CONCURRENCY)
-        .timings(true) // slot wait and handler duration in stats()
         .connect(&url)
         .await?;
-    for (column, (_, topic, priority)) in COLUMNS.into_iter().enumerate() {
-        let handler = async move |message: &Message| handle(column, message).await;
+    for (topic, work) in TOPICS {
+        let handler = async move |message: &Message| {
+            let text = String::from_utf8_lossy(message.payload());
+            println!("processing {topic}: {text}");
+            tokio::time::sleep(work).await;
+            Ok::<_, std::convert::Infallible>(())
+        };
         let options = SubscribeOptions::new()
-            .priority(priority)
-            .subscription(SUBSCRIPTION)
-            .subscription_type(SubType::Shared)
-            .fatal_errors(ErrorClass::of::<CardDeclined>())
-            .retry_errors(ErrorClass::of::<WarehouseBusy>())
-            .retry_topic(RETRY_TOPIC)
-            .max_retries(3);
+            .priority(PRIORITY)
+            .subscription(subscription(topic))
+            .subscription_type(SubType::Shared);
         dispatcher.subscribe(topic, handler, options).await?;
     }
 
     let closer = dispatcher.close_handle();
-    let begun = Instant::now();
-    let watcher = match demo_messages {
-        Some(requested) => {
-            let total = requested.max(8);
-            let partitions = publish_backlog(&url, total).await?;
-            explain(partitions);
-            print_header();
-            // Give the broker a moment to push each consumer its first
-            // message, so that the first pick sees every subscription
-            // (otherwise the first dispatch goes to whichever came first).
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            tokio::task::spawn_local(close_when_settled(closer, total as u64))
+    let stopper = match messages {
+        Some(total) => {
+            publish(&url, total).await?;
+            tokio::task::spawn_local(close_when_handled(closer, total))
         }
-        None => {
-            print_header();
-            tokio::task::spawn_local(async move {
-                let _ = tokio::signal::ctrl_c().await;
-                closer.close().await;
-                Ok(())
-            })
-        }
+        None => tokio::task::spawn_local(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            closer.close().await;
+            Ok(())
+        }),
     };
     dispatcher.run().await?;
-    let settled = watcher.await?;
-    print_summary(&dispatcher.stats(), begun.elapsed());
-    if let Some(log) = std::env::var_os("DEMO_LOG") {
-        println!("\nthe dispatcher's log: {}", log.to_string_lossy());
-    }
-    settled
+    stopper.await??;
+    println!("handled {} messages", dispatcher.stats().total().succeeded);
+    Ok(())
 }
 
-/// Prints the message in its column, works, and fails where the demo says.
-async fn handle(column: usize, message: &Message) -> Result<(), Box<dyn Error>> {
-    let name = String::from_utf8_lossy(message.payload()).into_owned();
-    let retries = message.property("RECONSUMETIMES");
-    let (outcome, note): (Result<(), Box<dyn Error>>, String) = match (name.as_str(), retries) {
-        ("payment-2", _) => (
-            Err(CardDeclined.into()),
-            "card declined: dead-lettered to demo-payments-demo-DLQ".into(),
-        ),
-        ("order-2", None) => (
-            Err(WarehouseBusy.into()),
-            format!("warehouse busy: to {RETRY_TOPIC}, due in 1 s"),
-        ),
-        (_, Some(n)) => (Ok(()), format!("(retry {n}) ok")),
-        _ => (Ok(()), String::new()),
-    };
-    print_dispatch(column, &name, &note);
-    tokio::time::sleep(WORK).await;
-    outcome
+/// Each topic's subscription.
+fn subscription(topic: &str) -> String {
+    format!("{topic}-sub")
 }
 
-/// Closes the dispatcher once `total` messages have ended, succeeded or
-/// dead-lettered; gives up after a minute.
-async fn close_when_settled(closer: CloseHandle, total: u64) -> Result<(), Box<dyn Error>> {
-    let begun = Instant::now();
-    let result = loop {
-        let settled = closer.stats().map_or(0, |stats| {
-            let total = stats.total();
-            total.succeeded + total.dead_lettered
-        });
-        if settled >= total {
-            break Ok(());
-        }
-        if begun.elapsed() > Duration::from_secs(60) {
-            break Err(format!("only {settled} of {total} messages settled within 60 s").into());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    closer.close().await;
-    result
-}
-
-/// Publishes `total` messages round-robin over the four backlog topics,
-/// named `payment-1`, `refund-1`, `order-1`, `email-1`, `payment-2`, ...;
-/// returns the partition count of the partitioned topic.
-async fn publish_backlog(url: &str, total: usize) -> Result<u32, pulsar::Error> {
+/// Publishes `total` messages round-robin over the three topics.
+async fn publish(url: &str, total: u64) -> Result<(), pulsar::Error> {
     let client = pulsar::Pulsar::builder(url, pulsar::TokioExecutor)
         .build()
         .await?;
-    let backlog = &COLUMNS[..4];
-    let mut producers = Vec::new();
-    for (_, topic, _) in backlog {
-        // All the sends are queued before any receipt is awaited: wait for
-        // room in the client's queue (100 per connection) instead of failing.
-        let options = pulsar::ProducerOptions {
-            block_queue_if_full: true,
-            ..Default::default()
-        };
-        producers.push(
-            client
-                .producer()
-                .with_topic(*topic)
-                .with_options(options)
-                .build()
-                .await?,
-        );
-    }
-    let mut receipts = Vec::new();
+    let mut producers = demo_env::producers(&client, TOPICS.map(|(topic, _)| topic)).await?;
     for n in 0..total {
-        let (title, _, _) = backlog[n % backlog.len()];
-        let name = format!("{}-{}", title.trim_end_matches('s'), n / backlog.len() + 1);
-        receipts.push(producers[n % backlog.len()].send_non_blocking(name).await?);
-    }
-    for receipt in receipts {
-        receipt.await?;
-    }
-    let partitions = client
-        .lookup_partitioned_topic_number(format!("persistent://public/default/{PARTITIONED_TOPIC}"))
-        .await?;
-    if partitions > 0 {
-        println!(
-            "{PARTITIONED_TOPIC} is a partitioned topic with {partitions} partitions: \
-             one subscribe() call consumes them all (the orders column)."
-        );
-    } else {
-        println!(
-            "{PARTITIONED_TOPIC} is not partitioned on this broker \
-             (`cargo xtask demo` creates it with 3 partitions)."
-        );
-    }
-    let counts: Vec<String> = backlog
-        .iter()
-        .enumerate()
-        .map(|(i, (title, _, _))| {
-            let count = (i..total).step_by(backlog.len()).count();
-            format!("{count} {title}")
-        })
-        .collect();
-    println!(
-        "Published a backlog of {total} messages before starting the dispatcher: {}.",
-        counts.join(", ")
-    );
-    Ok(partitions)
-}
-
-fn explain(partitions: u32) {
-    println!(
-        "\nOne line per dispatch, in the order the handlers start ({CONCURRENCY} run at a time, \
-         {} ms each).\nLook for:\n\
-         \x20 - the best priority first: every payment and refund [10] before any order or email [20];\n\
-         \x20 - equal priorities take turns: payment, refund, payment, ...; then order, email, order, ...;\n\
-         \x20 - order-2 fails with a retryable error and comes back through {RETRY_TOPIC} [30] a second later;\n\
-         \x20 - payment-2 fails for good and goes to the dead letter topic.",
-        WORK.as_millis()
-    );
-    if partitions > 1 {
-        println!(
-            "  (Orders come from {partitions} partitions, read in turns: Pulsar keeps order within \
-             a partition, so order numbers may interleave.)"
-        );
-    }
-}
-
-const WIDTH: usize = 15;
-
-fn print_header() {
-    let header: String = COLUMNS
-        .iter()
-        .map(|(title, _, priority)| format!("{:<WIDTH$}", format!("{title} [{priority}]")))
-        .collect();
-    println!("\n   #  {}", header.trim_end());
-    println!("   -  {}", "-".repeat(WIDTH * COLUMNS.len()));
-}
-
-fn print_dispatch(column: usize, name: &str, note: &str) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static DISPATCHED: AtomicUsize = AtomicUsize::new(0);
-    let number = DISPATCHED.fetch_add(1, Ordering::Relaxed) + 1;
-    let indent = " ".repeat(WIDTH * column);
-    println!(
-        "{number:>4}  {indent}{}",
-        format!("{name} {note}").trim_end()
-    );
-}
-
-fn print_summary(stats: &DispatcherStats, elapsed: Duration) {
-    let total = stats.total();
-    println!(
-        "\nDone in {:.1} s: {} dispatches, {} succeeded, {} retried, {} dead-lettered.",
-        elapsed.as_secs_f64(),
-        total.dispatched,
-        total.succeeded,
-        total.retried,
-        total.dead_lettered
-    );
-    println!("\nPer subscription, from dispatcher.stats():\n");
-    println!(
-        "  {:<14} {:>8} {:>9} {:>7} {:>13} {:>14} {:>9}",
-        "subscription", "received", "succeeded", "retried", "dead-lettered", "slot wait p50", "p99"
-    );
-    for (subscription, (title, _, priority)) in stats.subscriptions.iter().zip(COLUMNS) {
-        let (p50, p99) = subscription
-            .slot_wait
-            .map_or(("-".into(), "-".into()), |wait| {
-                (millis(wait.p50), millis(wait.p99))
-            });
-        println!(
-            "  {:<14} {:>8} {:>9} {:>7} {:>13} {:>14} {:>9}",
-            format!("{title} [{priority}]"),
-            subscription.received,
-            subscription.succeeded,
-            subscription.retried,
-            subscription.dead_lettered,
-            p50,
-            p99
-        );
-    }
-    println!(
-        "\nSlot wait: from a message's arrival in its subscription's slot to its handler's start.\n\
-         The worse priorities waited while the better ones drained."
-    );
-}
-
-fn millis(duration: Duration) -> String {
-    if duration < Duration::from_millis(1) {
-        format!("{} µs", duration.as_micros())
-    } else {
-        format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
-    }
-}
-
-/// Logs to the file `DEMO_LOG` names, or to stderr (errors only by
-/// default); never into stdout, where the table goes.
-fn init_logging() -> Result<(), Box<dyn Error>> {
-    let filter = |default: &str| {
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into())
-    };
-    match std::env::var_os("DEMO_LOG") {
-        Some(path) => tracing_subscriber::fmt()
-            .with_env_filter(filter("warn,pulsar=error,pulsar_dispatcher=info"))
-            .with_ansi(false)
-            .with_writer(std::sync::Mutex::new(std::fs::File::create(path)?))
-            .init(),
-        None => tracing_subscriber::fmt()
-            .with_env_filter(filter("error"))
-            .with_writer(std::io::stderr)
-            .init(),
+        let index = n as usize % TOPICS.len();
+        let text = format!("{}-{n}", TOPICS[index].0);
+        producers[index].send_non_blocking(text).await?.await?;
     }
     Ok(())
 }
 
-/// For the demo only: skips whatever an interrupted earlier run left on
-/// the demo's subscriptions, so that the table shows this run's backlog
-/// (through the broker's admin API at `PULSAR_WEB_URL`, default
-/// `http://127.0.0.1:8080`; a subscription that does not exist yet is fine).
-fn skip_leftovers() {
-    let web = std::env::var("PULSAR_WEB_URL").unwrap_or_else(|_| "http://127.0.0.1:8080".into());
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(15)))
-        .build()
-        .into();
-    for (_, topic, _) in COLUMNS {
-        let url = format!(
-            "{}/admin/v2/persistent/public/default/{topic}/subscription/{SUBSCRIPTION}/skip_all",
-            web.trim_end_matches('/')
-        );
-        match agent.post(&url).send_empty() {
-            Ok(response) if response.status().is_success() || response.status() == 404 => {}
-            Ok(response) => eprintln!("POST {url}: HTTP {}", response.status()),
-            Err(error) => eprintln!("POST {url}: {error}"),
+/// Closes the dispatcher once `total` messages have been handled; gives up
+/// after a minute.
+async fn close_when_handled(closer: CloseHandle, total: u64) -> Result<(), String> {
+    let handled = || closer.stats().map_or(0, |stats| stats.total().succeeded);
+    let waited = tokio::time::timeout(Duration::from_secs(60), async {
+        while handled() < total {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
+    })
+    .await;
+    closer.close().await;
+    waited.map_err(|_| format!("only {} of {total} messages handled within 60 s", handled()))
 }

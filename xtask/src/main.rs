@@ -30,9 +30,9 @@ commands:
                    (e.g. `cargo xtask test --test smoke_pulsar`).
   lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings, no
                    import cycle among the files of src/
-  demo [priority|observability]
-                   start a broker if needed and run `cargo run --example simple_dispatcher`
-                   (or `priority_dispatcher`, or `observability`) with DEMO_MESSAGES
+  demo [simple|priority|observability]
+                   start a broker if needed and run `cargo run --example demo`
+                   (or `simple_dispatcher`, `priority_dispatcher` or `observability`) with DEMO_MESSAGES
                    messages of traffic (default 30); the dispatcher's log goes to
                    target/demo-<example>.log
   bench [--quick] [--criterion]
@@ -450,25 +450,27 @@ fn cmd_lint(paths: &Paths) -> Result<(), String> {
     }
 }
 
-/// The partitioned topic of the default demo (`examples/simple_dispatcher.rs`)
+/// The partitioned topic of the default demo (`examples/demo.rs`)
 /// and its partition count: created before the example runs, as operators do.
 const DEMO_PARTITIONED_TOPIC: (&str, u32) = ("demo-orders", 3);
 
 fn cmd_demo(paths: &Paths, which: Option<&str>) -> Result<(), String> {
     let example = match which {
-        None | Some("simple") => "simple_dispatcher",
+        None => "demo",
+        Some("simple") => "simple_dispatcher",
         Some("priority") => "priority_dispatcher",
         Some("observability") => "observability",
         Some(other) => {
             return Err(format!(
-                "unknown demo {other:?}: try `simple`, `priority` or `observability`"
+                "unknown demo {other:?}: try `simple`, `priority` or `observability`, or none for \
+                 the default"
             ))
         }
     };
     setup::ensure_protoc()?;
     let addr = BrokerAddr::from_env()?;
     let started = broker::ensure_running(paths, &addr)?;
-    if example == "simple_dispatcher" {
+    if example == "demo" {
         let (topic, partitions) = DEMO_PARTITIONED_TOPIC;
         if let Err(e) = broker::create_partitioned_topic(&addr.web, topic, partitions) {
             info(&format!(
