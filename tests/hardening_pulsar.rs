@@ -309,6 +309,119 @@ fn a_topic_terminated_while_its_messages_are_held_acks_each_once() {
     });
 }
 
+/// The broker closes a consumer (an unload) and refuses its subscribe
+/// again (an operator now allows only another subscription type on the
+/// topic) while the dispatcher holds the messages it delivered: one in a
+/// handler, one in the slot, the rest in the consumer's queue. The `pulsar`
+/// crate's consumer goes on handing out what it had queued, then an error,
+/// but sends nothing more to the broker, so the acks of those messages are
+/// lost. The dispatcher subscribes again until the topic takes its type
+/// again; the broker then delivers those messages again, and each is
+/// recognised as acked (`redelivered_after_ack`) and acked again instead of
+/// being handled twice. Plain and partitioned topics, Exclusive and Shared.
+#[test]
+fn acks_lost_while_a_consumer_is_refused_are_recognised_when_it_is_back() {
+    run_local(Duration::from_secs(240), async {
+        for (kind, subscription_type, other_type) in [
+            (TopicKind::Plain, SubType::Exclusive, "Shared"),
+            (TopicKind::Plain, SubType::Shared, "Exclusive"),
+            (TopicKind::Partitioned(2), SubType::Exclusive, "Shared"),
+            (TopicKind::Partitioned(2), SubType::Shared, "Exclusive"),
+        ] {
+            let case = format!("{kind:?}, {subscription_type:?}");
+            let topic = fresh_topic("refused", kind);
+            let subscription = unique_name("sub");
+            let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
+            let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
+            let released = Rc::new(Cell::new(false));
+            let handler = {
+                let (handled, released) = (handled.clone(), released.clone());
+                async move |message: &Message| {
+                    handled.borrow_mut().push(payload_number(message));
+                    while !released.get() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Ok::<_, Infallible>(())
+                }
+            };
+            // Room for the whole backlog in the consumer's queue.
+            let options = SubscribeOptions::new()
+                .subscription(&subscription)
+                .subscription_type(subscription_type)
+                .receiver_queue_size(100);
+            dispatcher
+                .subscribe(&topic, handler, options)
+                .await
+                .unwrap();
+            let run = start(&dispatcher);
+            common::publish(&topic, keyed_messages(10, 3)).await;
+            wait_until(
+                &format!("{case}: the first message"),
+                Duration::from_secs(20),
+                || handled.borrow().len() == 1,
+            )
+            .await;
+            let admin = |types: Vec<&'static str>| {
+                let topic = topic.clone();
+                tokio::task::spawn_blocking(move || {
+                    allow_subscription_types(&topic, &types);
+                    if types.len() == 1 {
+                        // Time for the policy to reach the topic's broker.
+                        std::thread::sleep(Duration::from_secs(2));
+                        common::unload(&topic, kind);
+                    }
+                })
+            };
+            admin(vec![other_type]).await.unwrap();
+            // Time for the refused subscribe to reach the crate's consumers.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            released.set(true);
+            // The queued messages are handled, then the crate's error says
+            // the consumer is gone.
+            wait_until(
+                &format!("{case}: the refusal"),
+                Duration::from_secs(20),
+                || dispatcher.stats().total().receive_errors > 0,
+            )
+            .await;
+            admin(vec!["Exclusive", "Shared", "Failover", "Key_Shared"])
+                .await
+                .unwrap();
+            let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(30), |stats| {
+                stats.msg_backlog == 0
+            })
+            .await;
+            assert_eq!(stats.msg_backlog, 0, "{case}: every message acked");
+            // Time for a message whose ack was lost to come back.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let totals = dispatcher.stats().total();
+            close_and_join(&dispatcher, run).await;
+            let mut handled = handled.take();
+            handled.sort_unstable();
+            assert_eq!(handled, (0..10).collect::<Vec<_>>(), "{case}: each once");
+            assert!(
+                totals.receive_errors > 0 && totals.redelivered_after_ack > 0,
+                "{case}: the refusal reached the dispatcher and lost acks: {totals:?}"
+            );
+        }
+    });
+}
+
+/// Allows only `types` of subscription on `topic` (a topic policy), as an
+/// operator does through the admin API; the broker refuses the others to
+/// consumers that subscribe from then on. Blocks; call it from
+/// `spawn_blocking`.
+fn allow_subscription_types(topic: &str, types: &[&str]) {
+    let name = topic.trim_start_matches("persistent://");
+    let path = format!("/admin/v2/persistent/{name}/subscriptionTypesEnabled");
+    let body = serde_json::to_string(types).unwrap();
+    let (status, answer) = admin_request("POST", &path, Some(&body)).unwrap();
+    assert!(
+        (200..300).contains(&status),
+        "POST {path}: HTTP {status}: {answer}"
+    );
+}
+
 /// Terminates `topic` (every partition of a partitioned one) through the
 /// admin API. Blocks; call it from `spawn_blocking`.
 fn terminate(topic: &str, kind: TopicKind) {
