@@ -101,12 +101,14 @@ mod tests {
             Duration::from_secs(3600),
         )
         .unwrap();
-        let mut last = Duration::ZERO;
         for retry in [1, 2_000_000_000, 2_147_483_649, 3_000_000_000, u32::MAX] {
-            let delay = curve(retry);
-            assert!(delay >= last, "retry {retry}: {delay:?} after {last:?}");
-            assert!(delay >= Duration::from_secs(1) && delay <= Duration::from_secs(3600));
-            last = delay;
+            // 1.000000001^(retry - 1) s, about e^((retry - 1) / 10^9).
+            let expected = ((f64::from(retry) - 1.0) * 1e-9).exp();
+            let delay = curve(retry).as_secs_f64();
+            assert!(
+                (delay - expected).abs() < expected * 1e-6,
+                "retry {retry}: {delay} s, expected {expected} s"
+            );
         }
     }
 

@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use tokio::task::{spawn_local, yield_now, LocalSet};
 
 use crate::transport::MemoryTransport;
-use crate::{Dispatcher, Error, Message, SubscribeOptions};
+use crate::{Dispatcher, Error, HealthPhase, Message, SubscribeOptions};
 
 /// Runs `test` on a `LocalSet` of a fresh `current_thread` runtime: the
 /// setup of every unit test that drives tasks (the engine's and routing's
@@ -764,10 +764,21 @@ fn dropping_the_run_future_shuts_down_gracefully() {
         } = gated_jobs(1, 2).await;
         run.abort();
         assert!(run.await.unwrap_err().is_cancelled());
+        // No close() from here on: the dropped run() alone shuts down.
+        assert_eq!(dispatcher.health().phase, HealthPhase::Draining);
         gate.open();
-        dispatcher.close().await;
+        for _ in 0..10_000 {
+            if transport.is_closed() {
+                break;
+            }
+            yield_now().await;
+        }
+        assert!(
+            transport.is_closed(),
+            "the dropped run() closed the connection"
+        );
         assert_eq!(transport.acked("jobs"), ids);
-        assert!(transport.is_closed());
+        assert_eq!(dispatcher.health().phase, HealthPhase::Closed);
     });
 }
 

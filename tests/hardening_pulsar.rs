@@ -228,7 +228,8 @@ fn a_terminated_topic_is_drained_and_the_dispatcher_goes_on() {
             })
             .await;
             assert!(!run.is_finished(), "{kind:?}: the dispatcher stopped");
-            wait_for_empty_backlog(&retired, &subscription).await;
+            let drained = wait_for_empty_backlog(&retired, &subscription).await;
+            assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
             close_and_join(&dispatcher, run).await;
             assert_eq!(handled_on(&retired), 10, "{kind:?}: each handled once");
         }
@@ -536,7 +537,8 @@ fn a_deleted_topic_is_subscribed_again_once_it_is_back(kind: TopicKind) {
                 || dispatcher.health().is_ready(),
             )
             .await;
-            wait_for_empty_backlog(&topic, &subscription).await;
+            let drained = wait_for_empty_backlog(&topic, &subscription).await;
+            assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
             close_and_join(&dispatcher, run).await;
             let mut numbers = handled.borrow().clone();
             numbers.sort_unstable();

@@ -439,7 +439,8 @@ async fn handle_through_an_unload(subscription_type: SubType) {
         handled.borrow().len() >= MESSAGES
     })
     .await;
-    wait_for_empty_backlog(&topic, &subscription).await;
+    let drained = wait_for_empty_backlog(&topic, &subscription).await;
+    assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
     close_and_join(&dispatcher, run).await;
     let twice: Vec<(usize, usize)> = handled
         .borrow()

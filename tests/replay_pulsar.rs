@@ -81,7 +81,8 @@ fn a_reset_cursor_replays_every_acked_message(kind: TopicKind) {
             )
             .await;
             for subscription in &subscriptions {
-                wait_for_empty_backlog(&topic, subscription).await;
+                let drained = wait_for_empty_backlog(&topic, subscription).await;
+                assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
             }
         };
         handled_everywhere(1).await;

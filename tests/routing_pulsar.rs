@@ -324,7 +324,8 @@ fn a_burst_of_replies_larger_than_the_clients_send_queue_is_all_published(kind: 
             replied.insert(String::from_utf8(reply.payload.data).unwrap());
         }
         assert_eq!(replied, (0..total).map(|n| n.to_string()).collect());
-        wait_for_empty_backlog(&topic, &subscription).await;
+        let drained = wait_for_empty_backlog(&topic, &subscription).await;
+        assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
         let stats = dispatcher.stats().total();
         assert_eq!(
             (stats.replied, stats.acked, stats.nacked),
@@ -542,7 +543,8 @@ fn retries_and_dead_letters_stay_in_a_topics_own_tenant_and_namespace(kind: Topi
             ]
         );
         for subscribed in [&full_topic, &full_retry_topic] {
-            wait_for_empty_backlog(subscribed, &subscription).await;
+            let drained = wait_for_empty_backlog(subscribed, &subscription).await;
+            assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
         }
         close_and_join(&dispatcher, run).await;
     });
@@ -619,7 +621,8 @@ fn a_reply_larger_than_the_broker_takes_is_not_sent_and_its_original_comes_back(
         publish_order(&topic, "make it large").await;
         let reply = next_message(&mut replies, "the second, small reply").await;
         assert_eq!(reply.payload.data, b"rrrrr", "the large reply was sent");
-        wait_for_empty_backlog(&topic, &subscription).await;
+        let drained = wait_for_empty_backlog(&topic, &subscription).await;
+        assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
         let stats = dispatcher.stats().total();
         assert_eq!((stats.publishes_failed, stats.nacked), (1, 1), "{stats:?}");
         assert_eq!(calls.get(), 2);

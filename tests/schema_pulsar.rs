@@ -106,7 +106,8 @@ fn messages_of_a_topic_with_a_schema_are_handled_as_their_bytes(kind: TopicKind)
             )
             .await;
             for subscription in &subscriptions {
-                wait_for_empty_backlog(&topic, subscription).await;
+                let drained = wait_for_empty_backlog(&topic, subscription).await;
+                assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
             }
             assert_eq!(dispatcher.stats().total().receive_errors, 0);
             close_and_join(&dispatcher, run).await;

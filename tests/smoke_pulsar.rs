@@ -8,7 +8,7 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::TryStreamExt;
 use pulsar::consumer::InitialPosition;
@@ -100,8 +100,9 @@ fn plain(payload: &str) -> producer::Message {
 }
 
 /// Shared subscription, receiver queue of one: messages arrive in order, an
-/// acked message is gone, a nacked one comes back at once (the crate sends
-/// RedeliverUnacknowledgedMessages immediately; there is no nack delay), and
+/// acked message is gone, a nacked one comes back within the receive limit
+/// (the crate sends RedeliverUnacknowledgedMessages at once; it has no nack
+/// delay, which would be a minute by the other clients' default), and
 /// once everything is acked the broker's backlog is empty.
 #[test]
 fn shared_subscription_ack_and_nack_with_receiver_queue_of_one() {
@@ -123,17 +124,14 @@ fn shared_subscription_ack_and_nack_with_receiver_queue_of_one() {
         assert_eq!(text(&second), "m1");
         let nacked_id = second.message_id.id.clone();
         consumer.nack(&second).await.unwrap();
-        let nacked_at = Instant::now();
 
         // m2 may already sit in the crate's queue, so it can come before the
         // redelivered m1.
-        let mut redelivered_after = None;
         let mut seen = Vec::new();
         while seen.len() < 2 {
             let msg = receive(&mut consumer, "the redelivered m1 and m2").await;
             let payload = text(&msg);
             if payload == "m1" {
-                redelivered_after = Some(nacked_at.elapsed());
                 assert_eq!(
                     (msg.message_id.id.ledger_id, msg.message_id.id.entry_id),
                     (nacked_id.ledger_id, nacked_id.entry_id),
@@ -148,11 +146,6 @@ fn shared_subscription_ack_and_nack_with_receiver_queue_of_one() {
             seen,
             ["m1", "m2"],
             "after the nack: m1 again and m2, once each"
-        );
-        let redelivered_after = redelivered_after.expect("m1 redelivered");
-        assert!(
-            redelivered_after < Duration::from_secs(3),
-            "the nacked message took {redelivered_after:?} to come back"
         );
 
         // Nothing else is delivered.

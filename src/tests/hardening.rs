@@ -128,7 +128,7 @@ fn the_shutdown_deadline_lets_a_reply_being_published_finish_within_a_grace() {
         (Duration::from_millis(300), true),
         (Duration::from_secs(5), false),
     ] {
-        run_local(async move {
+        super::run_paused(async move {
             let transport = Hooked::default().publishes_take(publish_takes);
             let dispatcher = Rc::new(Dispatcher::builder().build(transport.clone()).unwrap());
             let replying =
@@ -160,8 +160,10 @@ fn the_shutdown_deadline_lets_a_reply_being_published_finish_within_a_grace() {
                 );
                 assert_eq!(transport.inner.nacked("jobs"), [id]);
                 assert!(replies.is_empty());
+                // On the paused clock, to the millisecond the timers round to.
+                let bound = Duration::from_millis(100) + crate::PUBLISH_GRACE;
                 assert!(
-                    took < Duration::from_secs(3),
+                    took >= bound && took <= bound + Duration::from_millis(5),
                     "the grace bounds the wait: {took:?}"
                 );
             }

@@ -190,11 +190,14 @@ fn max_in_flight_caps_one_subscription_without_holding_up_the_others() {
     });
 }
 
-/// Runs a key-ordered subscription (key buffer 4, concurrency 10) over
+/// Runs a subscription with `ordering`'s options (concurrency 10) over
 /// `messages`, its handler yielding a few times, until every message is
 /// acked. Returns when each started and ended (`start <payload>`, `end
 /// <payload>`, in order) and the most handlers that ran at once.
-async fn key_ordered_timeline(messages: Vec<OutgoingMessage>) -> (Vec<String>, usize) {
+async fn ordered_timeline(
+    messages: Vec<OutgoingMessage>,
+    ordering: SubscribeOptions,
+) -> (Vec<String>, usize) {
     let (dispatcher, transport) = dispatcher(10);
     let count = messages.len();
     for message in messages {
@@ -219,7 +222,7 @@ async fn key_ordered_timeline(messages: Vec<OutgoingMessage>) -> (Vec<String>, u
                 now.set(now.get() - 1);
                 Ok::<_, Infallible>(())
             },
-            options(1).ordering(Ordering::Key).key_buffer(4),
+            ordering,
         )
         .await
         .unwrap();
@@ -248,7 +251,8 @@ fn key_ordering_serialises_a_key_and_runs_keys_side_by_side() {
             .enumerate()
             .map(|(n, key)| OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key))
             .collect();
-        let (timeline, most) = key_ordered_timeline(messages).await;
+        let (timeline, most) =
+            ordered_timeline(messages, options(1).ordering(Ordering::Key).key_buffer(4)).await;
         let at = |event| at(&timeline, event);
         assert!(at("end a0") < at("start a1") && at("end a1") < at("start a3"));
         assert!(at("end b2") < at("start b4"));
@@ -275,7 +279,8 @@ fn the_ordering_key_goes_before_the_partition_key() {
                 .with_ordering_key(ordering_key)
         })
         .into();
-        let (timeline, _) = key_ordered_timeline(messages).await;
+        let (timeline, _) =
+            ordered_timeline(messages, options(1).ordering(Ordering::Key).key_buffer(4)).await;
         let at = |event| at(&timeline, event);
         assert!(
             at("start p2") < at("end p1"),
@@ -334,25 +339,16 @@ fn a_busy_key_does_not_hold_back_the_keys_received_after_it() {
 #[test]
 fn subscription_ordering_runs_one_at_a_time_in_order() {
     run_local(async {
-        let (dispatcher, transport) = dispatcher(10);
-        for n in 0..4 {
-            transport.send("ledger", format!("{n}"));
-        }
-        let log = Log::default();
-        dispatcher
-            .subscribe(
-                "ledger",
-                recorder(&log, "l"),
-                options(1).ordering(Ordering::Subscription),
-            )
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
-        transport.wait_acked("ledger", 4).await;
-        assert_eq!(*log.borrow(), ["l:0", "l:1", "l:2", "l:3"]);
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
+        let messages = (0..4)
+            .map(|n| OutgoingMessage::new(n.to_string()))
+            .collect();
+        let ordered = options(1).ordering(Ordering::Subscription);
+        let (timeline, most) = ordered_timeline(messages, ordered).await;
+        assert_eq!(most, 1, "one at a time: {timeline:?}");
+        let expected: Vec<String> = (0..4)
+            .flat_map(|n| [format!("start {n}"), format!("end {n}")])
+            .collect();
+        assert_eq!(timeline, expected);
     });
 }
 
