@@ -63,10 +63,11 @@ fn recording(seen: &Seen) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
 }
 
 /// Records each message handled, (id, payload), and holds the one whose
-/// payload it is told until released.
+/// payload it is told until released, noting when it began to hold it.
 #[derive(Default)]
 struct Holding {
     handled: Seen,
+    held_since: Rc<std::cell::Cell<Option<tokio::time::Instant>>>,
     released: Rc<std::cell::Cell<bool>>,
     release: Rc<Notify>,
 }
@@ -74,9 +75,12 @@ struct Holding {
 impl Holding {
     fn handler(&self, held: &'static str) -> impl AsyncFn(&Message) -> Result<(), Infallible> {
         let (release, released) = (self.release.clone(), self.released.clone());
-        let record = self.handled.clone();
+        let (record, held_since) = (self.handled.clone(), self.held_since.clone());
         async move |message: &Message| {
             let payload = String::from_utf8_lossy(message.payload()).into_owned();
+            if payload == held && held_since.get().is_none() {
+                held_since.set(Some(tokio::time::Instant::now()));
+            }
             while payload == held && !released.get() {
                 release.notified().await;
             }
@@ -781,8 +785,30 @@ fn the_ack_timeout_leaves_an_acked_batch_alone(kind: TopicKind) {
         .await;
         let batch_handled = tokio::time::Instant::now();
         tokio::time::sleep_until(batch_handled + DELAY / 2).await;
-        produce_with_python(&topic, &["held"], false).await;
+        // To the batch's own partition, the one its stale member rewinds.
+        let batch_partition: i32 = {
+            let handled = handled.borrow();
+            let id = &handled[0].0;
+            id.split(':').nth(2).unwrap().parse().unwrap()
+        };
+        let held_on = match kind {
+            TopicKind::Plain => topic.clone(),
+            TopicKind::Partitioned(_) => format!("{topic}-partition-{batch_partition}"),
+        };
+        let held = pulsar::producer::Message {
+            payload: b"held".to_vec(),
+            ..Default::default()
+        };
+        common::publish(&held_on, [held]).await;
         tokio::time::sleep_until(batch_handled + DELAY + Duration::from_millis(1200)).await;
+        // Held before a stale batch member would fire, or the test shows
+        // nothing.
+        let held_since = holding.held_since.get().expect("the held message arrived");
+        assert!(
+            held_since < batch_handled + DELAY,
+            "held only {:?} after the batch",
+            held_since - batch_handled
+        );
         holding.release();
         let done = wait_for_empty_backlog(&topic, &subscription).await;
         close_and_join(&dispatcher, run).await;

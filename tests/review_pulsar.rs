@@ -504,7 +504,8 @@ fn unsubscribe_next_to_another(subscription_type: SubType) {
 }
 
 /// `close_within(d)` with handlers that block the thread for 200 ms at a
-/// time (then await for long): the close returns within d + 1 s.
+/// time, then await for 30 s: the close cancels them at its deadline
+/// rather than wait for them to end.
 #[test]
 fn close_within_returns_in_time_with_handlers_that_block_the_thread() {
     run_local(Duration::from_secs(90), async {
@@ -543,12 +544,17 @@ fn close_within_returns_in_time_with_handlers_that_block_the_thread() {
         let begun = Instant::now();
         let cancelled = dispatcher.close_within(limit).await;
         let took = begun.elapsed();
+        let result = run.await.unwrap();
         assert!(
-            matches!(run.await.unwrap(), Err(Error::HandlersCancelled { .. })),
-            "cancelled {cancelled}"
+            matches!(result, Err(Error::HandlersCancelled { cancelled: n }) if n == cancelled)
+                && cancelled >= 1,
+            "cancelled {cancelled}: {result:?}"
         );
+        // A close that waited for the handlers would take their 30 s; the
+        // rest of the margin is for a loaded machine, not a timing goal
+        // (the chaos suite measures how close to d the close returns).
         assert!(
-            took <= limit + Duration::from_secs(1),
+            took < limit + Duration::from_secs(10),
             "close_within({limit:?}) took {took:?}"
         );
     });
