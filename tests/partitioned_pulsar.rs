@@ -442,6 +442,11 @@ async fn handle_through_an_unload(subscription_type: SubType) {
     let drained = wait_for_empty_backlog(&topic, &subscription).await;
     assert_eq!(drained.msg_backlog, 0, "every message acked: {drained:?}");
     close_and_join(&dispatcher, run).await;
+    let totals = dispatcher.stats().total();
+    assert!(
+        totals.dropped_in_flight + totals.redelivered_after_ack > 0,
+        "{subscription_type:?}: the unload delivered nothing again: {totals:?}"
+    );
     let twice: Vec<(usize, usize)> = handled
         .borrow()
         .iter()
