@@ -461,10 +461,20 @@ fn with_a_slow_handler_the_backlog_stays_on_the_broker(kind: TopicKind) {
             )
             .await
             .unwrap();
+        // A control with room for everything, never read.
+        let control = unique_name("control");
+        let _control =
+            common::shared_consumer(&common::client().await, &topic, &control, 100).await;
         let run = start(&dispatcher);
         produce(&topic, (0..50).map(|n| n.to_string())).await;
-        // Give the client every chance to prefetch, then look at the broker.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Once the control has taken the whole backlog, the broker has
+        // pushed whatever each consumer asked for; then look at ours.
+        let taken = wait_for_stats(&topic, &control, Duration::from_secs(10), |stats| {
+            stats.msg_out_counter == 50
+        })
+        .await;
+        assert_eq!(taken.msg_out_counter, 50, "the control took the backlog");
+        tokio::time::sleep(Duration::from_millis(500)).await;
         let stats = wait_for_stats(&topic, &subscription, Duration::ZERO, |_| true).await;
         assert_eq!(stats.msg_backlog, 50, "nothing acked yet");
         // Each partition has its own consumer, and so its own receiver queue.

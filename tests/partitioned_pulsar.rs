@@ -15,11 +15,9 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    add_partitions, close_and_join, create_partitioned_topic, fresh_topic, run_local, start,
-    unique_name, wait_for_empty_backlog, wait_until, TopicKind,
+    add_partitions, close_and_join, create_partitioned_topic, fresh_topic, from_the_start,
+    run_local, start, unique_name, wait_for_empty_backlog, wait_until, TopicKind,
 };
-use pulsar::consumer::InitialPosition;
-use pulsar::ConsumerOptions;
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 
 const PARTITIONS: u32 = 3;
@@ -30,12 +28,6 @@ const EVERY_SUBSCRIPTION_TYPE: [SubType; 4] = [
     SubType::Shared,
     SubType::KeyShared,
 ];
-
-fn from_the_start(options: SubscribeOptions) -> SubscribeOptions {
-    options.consumer_options(
-        ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
-    )
-}
 
 #[test]
 fn every_subscription_type_acks_on_a_partitioned_topic_named_by_its_short_name() {

@@ -147,22 +147,43 @@ fn two_dispatchers_share_a_subscription_and_process_every_message_once(kind: com
     assert_eq!(stats.consumers, 0, "both consumers are closed");
 }
 
+/// One core's factory fails: the group does not start, and the dispatcher
+/// another core had built never runs (its backlog stays unhandled) and is
+/// closed (its consumer leaves the broker).
 #[test]
 fn a_failing_factory_stops_the_whole_group_before_anything_runs() {
     let url = common::pulsar_url();
-    let result = PerCore::start(2, move |core| {
-        let url = url.clone();
-        async move {
-            let dispatcher = Dispatcher::connect(&url).await?;
-            if core == 1 {
-                // An invalid option fails the subscription.
-                let invalid = SubscribeOptions::new().receiver_queue_size(0);
-                let handler = async |_: &Message| Ok::<(), Error>(());
-                dispatcher
-                    .subscribe(&common::unique_topic("never"), handler, invalid)
-                    .await?;
+    let topic = common::unique_topic("per-core-built");
+    let subscription = common::unique_name("sub");
+    common::run_local(
+        Duration::from_secs(30),
+        common::publish(&topic, common::keyed_messages(1, 1)),
+    );
+    let handled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let result = PerCore::start(2, {
+        let (topic, subscription, handled) = (topic.clone(), subscription.clone(), handled.clone());
+        move |core| {
+            let (url, topic, subscription) = (url.clone(), topic.clone(), subscription.clone());
+            let handled = handled.clone();
+            async move {
+                let dispatcher = Dispatcher::connect(&url).await?;
+                let handler = async move |_: &Message| {
+                    handled.store(true, std::sync::atomic::Ordering::SeqCst);
+                    Ok::<(), Error>(())
+                };
+                if core == 0 {
+                    let options =
+                        common::from_the_start(SubscribeOptions::new().subscription(&subscription));
+                    dispatcher.subscribe(&topic, handler, options).await?;
+                } else {
+                    // An invalid option fails the subscription.
+                    let invalid = SubscribeOptions::new().receiver_queue_size(0);
+                    dispatcher
+                        .subscribe(&common::unique_topic("never"), handler, invalid)
+                        .await?;
+                }
+                Ok(dispatcher)
             }
-            Ok(dispatcher)
         }
     });
     match result {
@@ -170,6 +191,22 @@ fn a_failing_factory_stops_the_whole_group_before_anything_runs() {
         Err(other) => panic!("expected the factory's own error, got {other}"),
         Ok(_) => panic!("a group with a failed factory must not start"),
     }
+    let stats = common::run_local(
+        Duration::from_secs(30),
+        common::wait_for_stats(&topic, &subscription, Duration::from_secs(10), |s| {
+            s.consumers == 0
+        }),
+    );
+    assert_eq!(
+        stats.consumers, 0,
+        "core 0's dispatcher closed: {:?}",
+        stats.raw
+    );
+    assert_eq!(stats.msg_backlog, 1, "its message left with the broker");
+    assert!(
+        !handled.load(std::sync::atomic::Ordering::SeqCst),
+        "core 0's dispatcher never ran"
+    );
 }
 
 #[test]

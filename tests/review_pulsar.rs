@@ -15,20 +15,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use common::{
-    close_and_join, fresh_topic, run_local, start, unique_name, wait_for_empty_backlog, wait_until,
-    TopicKind,
+    close_and_join, fresh_topic, from_the_start, run_local, start, unique_name,
+    wait_for_empty_backlog, wait_until, TopicKind,
 };
-use pulsar::consumer::InitialPosition;
-use pulsar::ConsumerOptions;
 use pulsar_dispatcher::{
     Dispatcher, Error, Message, SubType, SubscribeOptions, SubscriptionHandle,
 };
-
-fn from_the_start(options: SubscribeOptions) -> SubscribeOptions {
-    options.consumer_options(
-        ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
-    )
-}
 
 type Log = Rc<RefCell<Vec<(char, usize)>>>;
 

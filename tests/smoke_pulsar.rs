@@ -11,44 +11,18 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use futures::TryStreamExt;
-use pulsar::consumer::InitialPosition;
-use pulsar::{producer, Consumer, ConsumerOptions, Pulsar, SubType, TokioExecutor};
+use pulsar::{producer, Consumer, TokioExecutor};
 use serde_json::{json, Value};
 
 use common::{
-    client, now_millis, pulsar_url, run_interop, run_local, subscription_stats, unique_name,
-    unique_topic, wait_for_empty_backlog, wait_for_stats,
+    client, now_millis, pulsar_url, run_interop, run_local, shared_consumer, subscription_stats,
+    unique_name, unique_topic, wait_for_empty_backlog, wait_for_stats,
 };
 
-type Client = Pulsar<TokioExecutor>;
 type Msg = pulsar::consumer::Message<Vec<u8>>;
 
 const TEST_LIMIT: Duration = Duration::from_secs(60);
 const RECEIVE_LIMIT: Duration = Duration::from_secs(10);
-
-/// A Shared consumer with the given receiver queue size, which the crate
-/// also needs as its flow-permit batch size to really bound prefetching.
-async fn shared_consumer(
-    client: &Client,
-    topic: &str,
-    subscription: &str,
-    queue: u32,
-) -> Consumer<Vec<u8>, TokioExecutor> {
-    client
-        .consumer()
-        .with_topic(topic)
-        .with_subscription(subscription)
-        .with_subscription_type(SubType::Shared)
-        .with_batch_size(queue)
-        .with_options(
-            ConsumerOptions::default()
-                .with_receiver_queue_size(queue)
-                .with_initial_position(InitialPosition::Earliest),
-        )
-        .build()
-        .await
-        .unwrap_or_else(|e| panic!("subscribing {subscription} to {topic}: {e}"))
-}
 
 /// The next message, or `None` if none arrives within `limit`.
 async fn receive_within(
@@ -185,13 +159,21 @@ fn receiver_queue_of_one_bounds_what_an_idle_consumer_takes() {
         let topic = unique_topic("smoke-prefetch");
         let sub = unique_name("sub");
         let mut consumer = shared_consumer(&client, &topic, &sub, 1).await;
+        // A control with room for everything, idle too.
+        let control = unique_name("control");
+        let _control = shared_consumer(&client, &topic, &control, 100).await;
         let mut producer = client.producer().with_topic(&topic).build().await.unwrap();
         for i in 0..20 {
             send(&mut producer, plain(&format!("m{i}"))).await;
         }
-        // Let the consumer's tasks run (and take what they will) without
-        // polling the consumer stream.
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Let the consumers' tasks run (and take what they will) without
+        // polling either stream, until the control has taken everything:
+        // the broker has then pushed whatever each consumer asked for.
+        let taken = wait_for_stats(&topic, &control, Duration::from_secs(10), |stats| {
+            stats.msg_out_counter == 20
+        })
+        .await;
+        assert_eq!(taken.msg_out_counter, 20, "the control took the backlog");
         let stats = subscription_stats(&topic, &sub);
         eprintln!(
             "idle consumer, queue 1: broker dispatched {} of 20 (unacked {})",

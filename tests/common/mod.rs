@@ -760,3 +760,41 @@ pub async fn wait_until(what: &str, limit: Duration, done: impl Fn() -> bool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// `options` with the crate's consumer options set to start a new
+/// subscription at the earliest message, so it takes a backlog published
+/// before it existed.
+pub fn from_the_start(
+    options: pulsar_dispatcher::SubscribeOptions,
+) -> pulsar_dispatcher::SubscribeOptions {
+    options.consumer_options(
+        pulsar::ConsumerOptions::default()
+            .with_initial_position(pulsar::consumer::InitialPosition::Earliest),
+    )
+}
+
+/// A `pulsar` crate consumer of `topic` on the Shared `subscription`,
+/// starting at the earliest message, with a receiver queue of `queue`,
+/// which the crate also needs as its flow-permit batch size to really bound
+/// what it prefetches.
+pub async fn shared_consumer(
+    client: &pulsar::Pulsar<pulsar::TokioExecutor>,
+    topic: &str,
+    subscription: &str,
+    queue: u32,
+) -> pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor> {
+    client
+        .consumer()
+        .with_topic(topic)
+        .with_subscription(subscription)
+        .with_subscription_type(pulsar::SubType::Shared)
+        .with_batch_size(queue)
+        .with_options(
+            pulsar::ConsumerOptions::default()
+                .with_receiver_queue_size(queue)
+                .with_initial_position(pulsar::consumer::InitialPosition::Earliest),
+        )
+        .build()
+        .await
+        .unwrap_or_else(|e| panic!("subscribing {subscription} to {topic}: {e}"))
+}
