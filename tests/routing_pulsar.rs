@@ -7,7 +7,7 @@ mod common;
 on_plain_and_partitioned_topics!(
     a_fatal_error_lands_in_the_dead_letter_topic_intact,
     retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic,
-    a_reply_is_published_before_the_original_is_acked,
+    a_reply_is_published_and_the_original_acked,
     a_burst_of_replies_larger_than_the_clients_send_queue_is_all_published,
     a_topic_family_subscribes_the_documented_topics_and_priorities,
     a_retried_message_carries_the_java_retry_letter_properties_for_python,
@@ -258,7 +258,12 @@ fn retries_wait_their_delay_count_up_and_end_in_the_original_dead_letter_topic(k
     });
 }
 
-fn a_reply_is_published_before_the_original_is_acked(kind: TopicKind) {
+/// A handler's returned bytes reach the reply topic and the message is
+/// acked, on the broker. That the publish completes before the ack is
+/// sent is shown on the in-memory transport, which logs publishes and acks
+/// in order
+/// (`tests::routing::replies_are_published_before_the_ack_and_only_when_returned`).
+fn a_reply_is_published_and_the_original_acked(kind: TopicKind) {
     run_local(Duration::from_secs(60), async {
         let topic = fresh_topic("images", kind);
         let reply_topic = fresh_topic("thumbnails", kind);
