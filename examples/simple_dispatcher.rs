@@ -27,7 +27,7 @@ const PRIORITY: i64 = 10;
 const CONCURRENCY: usize = 20;
 
 fn main() -> Result<(), Box<dyn Error>> {
-    demo_env::init_logging("warn,pulsar=error")?;
+    demo_env::init_logging("warn,pulsar=error,pulsar_dispatcher=info")?;
     let url = std::env::var("PULSAR_URL").unwrap_or_else(|_| "pulsar://127.0.0.1:6650".into());
     let messages: Option<u64> = std::env::var("DEMO_MESSAGES")
         .ok()

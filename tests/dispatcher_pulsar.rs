@@ -474,7 +474,8 @@ fn with_a_slow_handler_the_backlog_stays_on_the_broker(kind: TopicKind) {
         })
         .await;
         assert_eq!(taken.msg_out_counter, 50, "the control took the backlog");
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // And time for a chain of one-message flow requests to show.
+        tokio::time::sleep(Duration::from_secs(2)).await;
         let stats = wait_for_stats(&topic, &subscription, Duration::ZERO, |_| true).await;
         assert_eq!(stats.msg_backlog, 50, "nothing acked yet");
         // Each partition has its own consumer, and so its own receiver queue.

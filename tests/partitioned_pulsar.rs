@@ -385,7 +385,8 @@ fn an_unload_while_messages_are_handled_runs_no_handler_twice() {
 }
 
 async fn handle_through_an_unload(subscription_type: SubType) {
-    const MESSAGES: usize = 200;
+    // Enough that the unload lands while messages are in flight.
+    const MESSAGES: usize = 400;
     let topic = fresh_topic("unloaded", TopicKind::Partitioned(PARTITIONS));
     let subscription = unique_name("unloaded-sub");
     common::publish(&topic, common::keyed_messages(MESSAGES, 7)).await;

@@ -148,8 +148,8 @@ fn two_dispatchers_share_a_subscription_and_process_every_message_once(kind: com
 }
 
 /// One core's factory fails: the group does not start, and the dispatcher
-/// another core had built never runs (its backlog stays unhandled) and is
-/// closed (its consumer leaves the broker).
+/// another core had built never runs (its backlog stays unhandled) and its
+/// consumer leaves the broker.
 #[test]
 fn a_failing_factory_stops_the_whole_group_before_anything_runs() {
     let url = common::pulsar_url();

@@ -499,7 +499,7 @@ fn unsubscribe_next_to_another(subscription_type: SubType) {
 /// time, then await for 30 s: the close cancels them at its deadline
 /// rather than wait for them to end.
 #[test]
-fn close_within_returns_in_time_with_handlers_that_block_the_thread() {
+fn close_within_cancels_handlers_that_block_the_thread() {
     run_local(Duration::from_secs(90), async {
         let topic = fresh_topic("blocking", TopicKind::Partitioned(3));
         let subscription = unique_name("sub");

@@ -174,6 +174,8 @@ fn receiver_queue_of_one_bounds_what_an_idle_consumer_takes() {
         })
         .await;
         assert_eq!(taken.msg_out_counter, 20, "the control took the backlog");
+        // And time for a chain of one-message flow requests to show.
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let stats = subscription_stats(&topic, &sub);
         eprintln!(
             "idle consumer, queue 1: broker dispatched {} of 20 (unacked {})",

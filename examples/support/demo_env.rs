@@ -46,9 +46,10 @@ pub fn skip_leftovers<'a>(subscriptions: impl IntoIterator<Item = (&'a str, &'a 
     }
 }
 
-/// A producer of `client` for each of `topics`, in order. Each waits for room in the client's queue (100 sends per connection)
-/// instead of failing, so an example may queue all its sends before it
-/// awaits a receipt.
+/// A producer of `client` for each of `topics`, in order. Each waits for
+/// room in the client's queue (100 sends per connection) instead of
+/// failing, so an example may queue all its sends before it awaits a
+/// receipt.
 pub async fn producers<'a>(
     client: &pulsar::Pulsar<pulsar::TokioExecutor>,
     topics: impl IntoIterator<Item = &'a str>,
