@@ -217,7 +217,7 @@ pub enum Error {
     /// The broker did not create the consumer (or the producers it
     /// publishes with) within the subscription's `subscribe_timeout`, for
     /// example because another consumer holds an Exclusive subscription.
-    #[error("subscribing to {topic} (subscription {}) took over {waited:?}", subscription.as_deref().unwrap_or("<generated>"))]
+    #[error("subscribing to {topic} (subscription {}) took over {waited:?}: the broker did not accept it in time (another consumer holding an Exclusive subscription is a common cause; the `pulsar` crate logs the broker's answer)", subscription.as_deref().unwrap_or("<generated>"))]
     SubscribeTimeout {
         /// The full topic name.
         topic: String,

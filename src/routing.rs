@@ -271,6 +271,11 @@ pub(crate) struct Router<T: Transport> {
     /// interval: an outage of a retry or dead letter topic fails every
     /// message that fails its handler.
     publish_failures_log: LogLimit,
+    /// Whether a reply was dropped for want of a reply topic yet: the
+    /// first is a warning, the rest debug lines, since the original's
+    /// behaviour (returned bytes ignored) may be meant, by a handler shared
+    /// with subscriptions that have a reply topic.
+    dropped_a_reply: Cell<bool>,
 }
 
 impl<T: Transport> Router<T> {
@@ -280,6 +285,7 @@ impl<T: Transport> Router<T> {
             targets,
             known_dead_letter_topics: RefCell::default(),
             publish_failures_log: LogLimit::default(),
+            dropped_a_reply: Cell::new(false),
         }
     }
 
@@ -347,6 +353,19 @@ impl<T: Transport> Router<T> {
         })
     }
 
+    /// A handler returned reply bytes, but its subscription has no reply
+    /// topic: they are dropped (the message is acked all the same), as in
+    /// the original, and said so.
+    #[cold]
+    #[inline(never)]
+    fn reply_dropped(&self, message: &Message) {
+        if self.dropped_a_reply.replace(true) {
+            debug!(topic = %message.topic(), message_id = %message.id(), "no reply_topic: the handler's reply is dropped");
+        } else {
+            warn!(topic = %message.topic(), message_id = %message.id(), "the handler returned a reply, but the subscription has no reply_topic: the reply is dropped (this warning is not repeated)");
+        }
+    }
+
     /// What becomes of a handled message; logs failures. Success, the
     /// common case, is decided inline; the rest (logging, retry and dead
     /// letter) out of line.
@@ -366,7 +385,11 @@ impl<T: Transport> Router<T> {
                     topic: reply_topic.clone(),
                     outgoing: OutgoingMessage::new(reply),
                 })),
-                _ => Action::Settle(Verdict::Ack),
+                (Some(_), None) => {
+                    self.reply_dropped(message);
+                    Action::Settle(Verdict::Ack)
+                }
+                (None, _) => Action::Settle(Verdict::Ack),
             },
             failure => {
                 // A failure's route runs the user's error classes and retry

@@ -200,7 +200,7 @@ pub struct DispatcherStats {
 
 impl DispatcherStats {
     /// The sum of every subscription's counters (topic and subscription
-    /// left empty, no latencies).
+    /// left empty, priority 0, no latencies).
     pub fn total(&self) -> SubscriptionStats {
         let mut total = SubscriptionStats::default();
         for subscription in &self.subscriptions {

@@ -443,6 +443,38 @@ fn failures_repeated_per_message_are_counted_each_and_logged_once_an_interval() 
     assert_eq!(count("settling a message failed"), 1, "{output}");
 }
 
+/// A handler that returns reply bytes on a subscription without a reply
+/// topic has its messages acked and the replies dropped, and is told so
+/// once, not once a message.
+#[test]
+fn replies_without_a_reply_topic_are_warned_about_once() {
+    let logs = LogCapture::start("pulsar_dispatcher=warn");
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(4);
+        let ids: Vec<_> = (0..20).map(|_| transport.send("images", "cat")).collect();
+        let replying =
+            async |message: &Message| Ok::<_, std::convert::Infallible>(message.payload().to_vec());
+        dispatcher
+            .subscribe("images", replying, options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("images", ids.len()).await;
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+        let mut acked = transport.acked("images");
+        acked.sort_by_key(|id| id.entry_id());
+        assert_eq!(acked, ids);
+    });
+    let output = logs.output();
+    let warned = output
+        .lines()
+        .filter(|l| l.contains("no reply_topic"))
+        .count();
+    assert_eq!(warned, 1, "{output}");
+}
+
 /// A priority change starts new series that count from zero; back at an
 /// earlier priority, its series count on from what they show, so summing
 /// over priorities still gives the totals (2 at priority 1, 3 at priority
