@@ -179,8 +179,11 @@ impl DispatcherBuilder {
     /// retries (about 40 s against a port that refuses connections): bound
     /// it with `tokio::time::timeout`, or set the crate's
     /// `ConnectionRetryOptions` through
-    /// [`connect_with`](Self::connect_with).
+    /// [`connect_with`](Self::connect_with). A `url` that is not
+    /// `pulsar://` or `pulsar+ssl://` is refused at once, as the option
+    /// `url` (the crate would only fail to look it up).
     pub async fn connect(self, url: &str) -> Result<Dispatcher<PulsarTransport>, Error> {
+        check_service_url(url)?;
         let retries = pulsar::OperationRetryOptions {
             max_retries: Some(CONNECT_OPERATION_RETRIES),
             ..Default::default()
@@ -294,6 +297,23 @@ impl<T: Transport> std::fmt::Debug for Dispatcher<T> {
             .field("phase", &self.engine.phase())
             .field("subscriptions", &self.engine.subscription_infos())
             .finish()
+    }
+}
+
+/// Refuses a broker URL of a scheme the `pulsar` crate cannot connect with
+/// (an admin `http://` URL is the usual mistake).
+fn check_service_url(url: &str) -> Result<(), Error> {
+    let scheme = url
+        .split_once("://")
+        .map(|(scheme, _)| scheme.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("pulsar" | "pulsar+ssl") => Ok(()),
+        _ => Err(Error::InvalidOption {
+            option: "url",
+            reason: format!(
+                "{url:?} is not a broker service URL: expected pulsar://host:6650 or pulsar+ssl://host:6651"
+            ),
+        }),
     }
 }
 

@@ -802,6 +802,18 @@ fn close_without_run_closes_consumers_and_connection() {
     });
 }
 
+/// A URL the `pulsar` crate cannot connect with is refused before any
+/// connection is tried, naming the option.
+#[test]
+fn a_url_that_is_not_a_broker_service_url_is_refused_at_once() {
+    run_local(async {
+        for url in ["http://127.0.0.1:8080", "127.0.0.1:6650", "not a url", ""] {
+            let refused = Dispatcher::connect(url).await;
+            assert!(refused_for(&refused, "url"), "{url:?}: {refused:?}");
+        }
+    });
+}
+
 #[test]
 fn misuse_is_refused_with_a_typed_error() {
     run_local(async {
