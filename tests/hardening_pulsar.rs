@@ -253,39 +253,16 @@ fn a_topic_terminated_while_its_messages_are_held_acks_each_once() {
             (TopicKind::Partitioned(3), SubType::Shared),
         ] {
             let case = format!("{kind:?}, {subscription_type:?}");
-            let topic = fresh_topic("terminated", kind);
-            let subscription = unique_name("sub");
-            let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
-            let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
-            let released = Rc::new(Cell::new(false));
-            let handler = {
-                let (handled, released) = (handled.clone(), released.clone());
-                async move |message: &Message| {
-                    handled.borrow_mut().push(payload_number(message));
-                    while !released.get() {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    Ok::<_, Infallible>(())
-                }
-            };
-            // A queue that takes the whole backlog, so the broker delivers
-            // it all and then reports the end of the topic.
-            let options = SubscribeOptions::new()
-                .subscription(&subscription)
-                .subscription_type(subscription_type)
-                .receiver_queue_size(100);
-            dispatcher
-                .subscribe(&topic, handler, options)
-                .await
-                .unwrap();
-            let run = start(&dispatcher);
-            common::publish(&topic, keyed_messages(10, 3)).await;
-            wait_until(
-                &format!("{case}: the first message"),
-                Duration::from_secs(20),
-                || handled.borrow().len() == 1,
-            )
-            .await;
+            // The consumer's queue takes the whole backlog, so the broker
+            // delivers it all and then reports the end of the topic.
+            let held = HeldBacklog::start("terminated", kind, subscription_type).await;
+            let HeldBacklog {
+                topic,
+                subscription,
+                dispatcher,
+                handled,
+                ..
+            } = &held;
             {
                 let topic = topic.clone();
                 tokio::task::spawn_blocking(move || terminate(&topic, kind))
@@ -295,16 +272,13 @@ fn a_topic_terminated_while_its_messages_are_held_acks_each_once() {
             // Time for the termination to reach the consumers.
             tokio::time::sleep(Duration::from_secs(1)).await;
             assert_eq!(handled.borrow().len(), 1, "{case}: one handler at a time");
-            released.set(true);
-            let stats = wait_for_empty_backlog(&topic, &subscription).await;
+            held.release();
+            let stats = wait_for_empty_backlog(topic, subscription).await;
             assert_eq!(stats.msg_backlog, 0, "{case}: every message acked");
             // Time for a message whose ack was lost to come back.
             tokio::time::sleep(Duration::from_secs(1)).await;
             let acks_failed = dispatcher.stats().total().acks_failed;
-            close_and_join(&dispatcher, run).await;
-            let mut handled = handled.take();
-            handled.sort_unstable();
-            assert_eq!(handled, (0..10).collect::<Vec<_>>(), "{case}: each once");
+            held.close_each_handled_once(&case).await;
             assert_eq!(acks_failed, 0, "{case}: no ack failed");
         }
     });
@@ -330,38 +304,13 @@ fn acks_lost_while_a_consumer_is_refused_are_recognised_when_it_is_back() {
             (TopicKind::Partitioned(2), SubType::Shared, "Exclusive"),
         ] {
             let case = format!("{kind:?}, {subscription_type:?}");
-            let topic = fresh_topic("refused", kind);
-            let subscription = unique_name("sub");
-            let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
-            let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
-            let released = Rc::new(Cell::new(false));
-            let handler = {
-                let (handled, released) = (handled.clone(), released.clone());
-                async move |message: &Message| {
-                    handled.borrow_mut().push(payload_number(message));
-                    while !released.get() {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    Ok::<_, Infallible>(())
-                }
-            };
-            // Room for the whole backlog in the consumer's queue.
-            let options = SubscribeOptions::new()
-                .subscription(&subscription)
-                .subscription_type(subscription_type)
-                .receiver_queue_size(100);
-            dispatcher
-                .subscribe(&topic, handler, options)
-                .await
-                .unwrap();
-            let run = start(&dispatcher);
-            common::publish(&topic, keyed_messages(10, 3)).await;
-            wait_until(
-                &format!("{case}: the first message"),
-                Duration::from_secs(20),
-                || handled.borrow().len() == 1,
-            )
-            .await;
+            let held = HeldBacklog::start("refused", kind, subscription_type).await;
+            let HeldBacklog {
+                topic,
+                subscription,
+                dispatcher,
+                ..
+            } = &held;
             let admin = |types: Vec<&'static str>| {
                 let topic = topic.clone();
                 tokio::task::spawn_blocking(move || {
@@ -376,7 +325,7 @@ fn acks_lost_while_a_consumer_is_refused_are_recognised_when_it_is_back() {
             admin(vec![other_type]).await.unwrap();
             // Time for the refused subscribe to reach the crate's consumers.
             tokio::time::sleep(Duration::from_secs(2)).await;
-            released.set(true);
+            held.release();
             // The queued messages are handled, then the crate's error says
             // the consumer is gone.
             wait_until(
@@ -388,7 +337,7 @@ fn acks_lost_while_a_consumer_is_refused_are_recognised_when_it_is_back() {
             admin(vec!["Exclusive", "Shared", "Failover", "Key_Shared"])
                 .await
                 .unwrap();
-            let stats = wait_for_stats(&topic, &subscription, Duration::from_secs(30), |stats| {
+            let stats = wait_for_stats(topic, subscription, Duration::from_secs(30), |stats| {
                 stats.msg_backlog == 0
             })
             .await;
@@ -396,16 +345,88 @@ fn acks_lost_while_a_consumer_is_refused_are_recognised_when_it_is_back() {
             // Time for a message whose ack was lost to come back.
             tokio::time::sleep(Duration::from_secs(1)).await;
             let totals = dispatcher.stats().total();
-            close_and_join(&dispatcher, run).await;
-            let mut handled = handled.take();
-            handled.sort_unstable();
-            assert_eq!(handled, (0..10).collect::<Vec<_>>(), "{case}: each once");
+            held.close_each_handled_once(&case).await;
             assert!(
                 totals.receive_errors > 0 && totals.redelivered_after_ack > 0,
                 "{case}: the refusal reached the dispatcher and lost acks: {totals:?}"
             );
         }
     });
+}
+
+/// Ten messages on a fresh topic, delivered to a dispatcher with one permit
+/// and a consumer queue with room for them all: the first is held in its
+/// handler until [`release`](Self::release), the second waits in the
+/// subscription's slot, the rest in the consumer's queue.
+struct HeldBacklog {
+    topic: String,
+    subscription: String,
+    dispatcher: Rc<Dispatcher>,
+    run: tokio::task::JoinHandle<Result<(), Error>>,
+    /// The payload number of each message handled, in order.
+    handled: Rc<RefCell<Vec<usize>>>,
+    released: Rc<Cell<bool>>,
+}
+
+impl HeldBacklog {
+    /// Subscribes with `subscription_type` to a fresh `kind` topic named
+    /// after `prefix`, runs, publishes, and returns once the first message
+    /// is held.
+    async fn start(prefix: &str, kind: TopicKind, subscription_type: SubType) -> Self {
+        let topic = fresh_topic(prefix, kind);
+        let subscription = unique_name("sub");
+        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
+        let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
+        let released = Rc::new(Cell::new(false));
+        let handler = {
+            let (handled, released) = (handled.clone(), released.clone());
+            async move |message: &Message| {
+                handled.borrow_mut().push(payload_number(message));
+                while !released.get() {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok::<_, Infallible>(())
+            }
+        };
+        let options = SubscribeOptions::new()
+            .subscription(&subscription)
+            .subscription_type(subscription_type)
+            .receiver_queue_size(100);
+        dispatcher
+            .subscribe(&topic, handler, options)
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        common::publish(&topic, keyed_messages(10, 3)).await;
+        wait_until(
+            &format!("{topic}: the first message"),
+            Duration::from_secs(20),
+            || handled.borrow().len() == 1,
+        )
+        .await;
+        HeldBacklog {
+            topic,
+            subscription,
+            dispatcher,
+            run,
+            handled,
+            released,
+        }
+    }
+
+    /// Lets the held handler, and every one after it, finish.
+    fn release(&self) {
+        self.released.set(true);
+    }
+
+    /// Closes the dispatcher and asserts each of the ten messages was
+    /// handled exactly once.
+    async fn close_each_handled_once(self, case: &str) {
+        close_and_join(&self.dispatcher, self.run).await;
+        let mut handled = self.handled.take();
+        handled.sort_unstable();
+        assert_eq!(handled, (0..10).collect::<Vec<_>>(), "{case}: each once");
+    }
 }
 
 /// Allows only `types` of subscription on `topic` (a topic policy), as an
