@@ -119,10 +119,7 @@ fn every_message_of_several_prioritised_topics_is_processed_and_acked_once(kind:
         let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(4)).await;
         let seen = Seen::default();
         for (priority, topic) in topics.iter().enumerate() {
-            let options = shared(&subscription, priority as i64 * 10).consumer_options(
-                pulsar::ConsumerOptions::default()
-                    .with_initial_position(pulsar::consumer::InitialPosition::Earliest),
-            );
+            let options = common::from_the_start(shared(&subscription, priority as i64 * 10));
             dispatcher
                 .subscribe(topic, recording(&seen), options)
                 .await
@@ -319,13 +316,11 @@ fn nothing_left_behind(kind: TopicKind, subscription_type: SubType) {
                         Ok(())
                     }
                 },
-                shared(&subscription, 1)
-                    .subscription_type(subscription_type)
-                    .negative_ack_redelivery_delay(Duration::ZERO)
-                    .consumer_options(
-                        pulsar::ConsumerOptions::default()
-                            .with_initial_position(pulsar::consumer::InitialPosition::Earliest),
-                    ),
+                common::from_the_start(
+                    shared(&subscription, 1)
+                        .subscription_type(subscription_type)
+                        .negative_ack_redelivery_delay(Duration::ZERO),
+                ),
             )
             .await
             .unwrap();
@@ -509,13 +504,11 @@ fn shutdown_under_load(kind: TopicKind, subscription_type: SubType) {
         produce(&topic, (0..total).map(|n| n.to_string())).await;
         let processed: Rc<RefCell<Vec<u32>>> = Rc::default();
         let options = || {
-            shared(&subscription, 1)
-                .subscription_type(subscription_type)
-                .receiver_queue_size(20)
-                .consumer_options(
-                    pulsar::ConsumerOptions::default()
-                        .with_initial_position(pulsar::consumer::InitialPosition::Earliest),
-                )
+            common::from_the_start(
+                shared(&subscription, 1)
+                    .subscription_type(subscription_type)
+                    .receiver_queue_size(20),
+            )
         };
         let slow_recorder = || {
             let processed = processed.clone();

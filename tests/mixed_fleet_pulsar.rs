@@ -153,12 +153,9 @@ fn always_unavailable(
 /// Retries of `chain.retry_topic` after one second, as the Python side is
 /// configured too, dead-lettered after `max_retries` retries.
 fn retrying(subscription: &str, retry_topic: &str, max_retries: u32) -> SubscribeOptions {
-    SubscribeOptions::new()
+    common::from_the_start(SubscribeOptions::new())
         .subscription(subscription)
         .subscription_type(SubType::Shared)
-        .consumer_options(
-            ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
-        )
         .retry_errors(ErrorClass::of::<ServiceUnavailable>())
         .retry_topic(retry_topic)
         .retry_backoff(|_| Duration::from_secs(1))
@@ -684,12 +681,9 @@ fn a_dead_letter_policy_gives_as_many_tries_as_the_python_original() {
         let mut dead_letters = reader(&dlq).await;
         let dispatcher = common::dispatcher().await;
         let seen = Seen::default();
-        let options = SubscribeOptions::new()
+        let options = common::from_the_start(SubscribeOptions::new())
             .subscription("orders-sub")
             .subscription_type(SubType::Shared)
-            .consumer_options(
-                ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
-            )
             .negative_ack_redelivery_delay(Duration::from_millis(200))
             .dead_letter_policy(DeadLetterPolicy {
                 max_redeliver_count: MAX_REDELIVER,
