@@ -311,18 +311,19 @@ fn acks_lost_while_a_consumer_is_refused_are_recognised_when_it_is_back() {
                 dispatcher,
                 ..
             } = &held;
-            let admin = |types: Vec<&'static str>| {
+            let allow = |types: Vec<&'static str>| {
                 let topic = topic.clone();
-                tokio::task::spawn_blocking(move || {
-                    allow_subscription_types(&topic, &types);
-                    if types.len() == 1 {
-                        // Time for the policy to reach the topic's broker.
-                        std::thread::sleep(Duration::from_secs(2));
-                        common::unload(&topic, kind);
-                    }
-                })
+                tokio::task::spawn_blocking(move || allow_subscription_types(&topic, &types))
             };
-            admin(vec![other_type]).await.unwrap();
+            allow(vec![other_type]).await.unwrap();
+            // Time for the policy to reach the topic's broker.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            {
+                let topic = topic.clone();
+                tokio::task::spawn_blocking(move || common::unload(&topic, kind))
+                    .await
+                    .unwrap();
+            }
             // Time for the refused subscribe to reach the crate's consumers.
             tokio::time::sleep(Duration::from_secs(2)).await;
             held.release();
@@ -334,7 +335,7 @@ fn acks_lost_while_a_consumer_is_refused_are_recognised_when_it_is_back() {
                 || dispatcher.stats().total().receive_errors > 0,
             )
             .await;
-            admin(vec!["Exclusive", "Shared", "Failover", "Key_Shared"])
+            allow(vec!["Exclusive", "Shared", "Failover", "Key_Shared"])
                 .await
                 .unwrap();
             let stats = wait_for_stats(topic, subscription, Duration::from_secs(30), |stats| {
