@@ -242,7 +242,11 @@ impl DispatcherBuilder {
 
     /// Checks the settings together; returns the concurrency limit.
     fn checked(&self) -> Result<NonZeroUsize, Error> {
-        let concurrency = NonZeroUsize::new(self.concurrency).ok_or(Error::ZeroConcurrency)?;
+        let concurrency =
+            NonZeroUsize::new(self.concurrency).ok_or_else(|| Error::InvalidOption {
+                option: "concurrency",
+                reason: "must be at least 1".to_owned(),
+            })?;
         if concurrency.get() > MAX_CONCURRENCY {
             return Err(Error::InvalidOption {
                 option: "concurrency",

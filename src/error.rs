@@ -147,9 +147,6 @@ pub enum RetryTopicProblem {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The concurrency limit was zero.
-    #[error("concurrency must be at least 1")]
-    ZeroConcurrency,
     /// An option has a value the dispatcher cannot honour.
     #[error("invalid option `{option}`: {reason}")]
     InvalidOption {

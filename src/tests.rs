@@ -818,12 +818,10 @@ fn a_url_that_is_not_a_broker_service_url_is_refused_at_once() {
 fn misuse_is_refused_with_a_typed_error() {
     run_local(async {
         let transport = MemoryTransport::new();
-        assert!(matches!(
-            Dispatcher::builder()
-                .concurrency(0)
-                .build(transport.clone()),
-            Err(Error::ZeroConcurrency)
-        ));
+        let refused = Dispatcher::builder()
+            .concurrency(0)
+            .build(transport.clone());
+        assert!(refused_for(&refused, "concurrency"));
         // Refused before connecting: nothing listens on port 1.
         let refused = Dispatcher::builder()
             .max_message_size(0)
