@@ -20,11 +20,11 @@
 
 mod chunks;
 mod memory;
-mod nodelay;
 mod partition;
 mod pulsar;
 mod rewind;
 mod settlement;
+mod sockets;
 
 use std::task::{Context, Poll};
 use std::time::Duration;

@@ -32,9 +32,9 @@ use pulsar::proto::MessageIdData;
 use pulsar::{Pulsar, TokioExecutor};
 use tracing::{debug, info, warn};
 
-use super::nodelay::BrokerSockets;
 use super::rewind::StallCheck;
 use super::settlement::Outage;
+use super::sockets::BrokerSockets;
 use super::{ConsumerSpec, TransportError};
 use crate::topic::{is_non_persistent, partition_name};
 

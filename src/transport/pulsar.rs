@@ -39,7 +39,6 @@ use pulsar::{Pulsar, PulsarBuilder, SubType, TokioExecutor};
 use tokio::time::Instant;
 
 use super::chunks::{is_chunk, Assembled, ChunkId, ChunkedMessages};
-use super::nodelay::BrokerSockets;
 use super::partition::{
     close_partitions, subscribe_partitions, AddedPartitions, Partition, Subscriber,
 };
@@ -47,6 +46,7 @@ use super::rewind::RewindCheck;
 use super::settlement::{
     entry_of, entry_of_chunk, BatchSettlements, EntryKey, RecentAcks, Redelivery, SettledBefore,
 };
+use super::sockets::BrokerSockets;
 use super::{
     Consumer, ConsumerSpec, OutgoingMessage, Producer, Repairs, Transport, TransportError,
 };
@@ -144,7 +144,7 @@ impl Transport for PulsarTransport {
             brokers: self.brokers.clone(),
         });
         let partitions = subscribe_partitions(&subscriber, &names).await?;
-        self.brokers.disable_nagle();
+        self.brokers.look();
         let spec = &subscriber.spec;
         let remembered = remembered_acks(spec.receiver_queue_size, partitions.len());
         let persistent = !is_non_persistent(&spec.topic);
@@ -190,7 +190,7 @@ impl Transport for PulsarTransport {
             self.brokers
                 .add(broker.url.host_str(), broker.url.port())
                 .await;
-            self.brokers.disable_nagle();
+            self.brokers.look();
         }
         Ok(PulsarProducer {
             producer: tokio::sync::Mutex::new(producer),
@@ -385,16 +385,18 @@ impl PulsarConsumer {
         if !self.persistent {
             return false;
         }
-        let partitions = &self.partitions;
+        let (partitions, brokers) = (&self.partitions, &self.brokers);
         // A plain topic's entries name no partition: all are its one's.
         let outage = |(partition, ..): EntryKey| {
             let index = usize::try_from(partition).unwrap_or(0);
             partitions.get(index).and_then(Partition::outage)
         };
-        let resend = match self
-            .recent_acks
-            .redelivered(entry_of(id), Instant::now(), outage)
-        {
+        let resend = match self.recent_acks.redelivered(
+            entry_of(id),
+            Instant::now(),
+            outage,
+            || brokers.last_loss(),
+        ) {
             Redelivery::NotAcked => return false,
             Redelivery::Replay => {
                 tracing::debug!(message_id = %id, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");

@@ -6,6 +6,7 @@
 //! Both are bookkeeping above the `pulsar` crate, which acknowledges whole
 //! entries and drops acknowledgements sent while its connection is down.
 
+use std::cell::LazyCell;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -13,6 +14,7 @@ use std::time::Duration;
 use pulsar::proto::MessageIdData;
 use tokio::time::Instant;
 
+use super::sockets::ConnectionLoss;
 use crate::hash::TrustedHashing;
 use crate::message::MessageId;
 
@@ -189,9 +191,14 @@ pub(super) fn entry_of_chunk(id: &MessageIdData) -> EntryKey {
 /// broker hands those entries to another consumer of the subscription.
 ///
 /// The connection was lost when the partition's stream last ended, if that
-/// was after the ack; otherwise (the crate reconnects by itself after a
-/// topic unload, quickly, and tells nobody) it is taken to be now, the
-/// redelivery. An ack made while the partition was being subscribed again
+/// was after the ack. The crate also reconnects by itself, after a topic
+/// unload or a broker restart, and tells nobody: a broker connection found
+/// gone and made again among the process's sockets (a [`ConnectionLoss`])
+/// covers the acks sent at most the window before the lost connection was
+/// last seen open, or after, until the new one was seen, for the
+/// redeliveries of the window after that. Otherwise the connection is taken
+/// to have been lost now, at the redelivery (an unload's reconnection is
+/// quick). An ack made while the partition was being subscribed again
 /// waited for the new consumer: it counts as sent when that came. An entry
 /// acked longer ago than that came back for another
 /// reason: someone reset the subscription's cursor, or the consumer sought
@@ -270,15 +277,19 @@ impl RecentAcks {
     /// What the delivery of `entry` at `now` is (see [`Redelivery`]).
     /// `outage` tells the last outage of an entry's partition. A lost ack
     /// is counted; a replay is forgotten, so that its new settlement counts.
+    /// `connection_loss` tells the last broker connection lost, if any; it
+    /// is asked only when the rest does not show the ack lost.
     pub(super) fn redelivered(
         &mut self,
         entry: EntryKey,
         now: Instant,
         outage: impl Fn(EntryKey) -> Option<Outage>,
+        connection_loss: impl FnOnce() -> Option<ConnectionLoss>,
     ) -> Redelivery {
         let Some(&acked_at) = self.entries.get(&entry) else {
             return Redelivery::NotAcked;
         };
+        let connection_loss = LazyCell::new(connection_loss);
         let lost = |entry: EntryKey, acked_at: Instant| {
             let (lost_at, sent_at) = match outage(entry) {
                 // Sent shortly before the stream ended, however long ago.
@@ -290,6 +301,7 @@ impl RecentAcks {
                 _ => (now, acked_at),
             };
             lost_at.saturating_duration_since(sent_at) <= LOST_ACK_WINDOW
+                || connection_loss.is_some_and(|loss| loss.covers(acked_at, now))
         };
         if !lost(entry, acked_at) {
             self.entries.remove(&entry);
@@ -313,6 +325,22 @@ impl RecentAcks {
                 .map(|&(entry, _)| entry)
                 .collect(),
         )
+    }
+}
+
+impl ConnectionLoss {
+    /// Whether an ack sent at `acked_at` may have been lost with the
+    /// connection, for an entry delivered again at `now`: sent at most
+    /// [`LOST_ACK_WINDOW`] before the connection was last seen open, or
+    /// after, and not after the new connection was seen; and delivered again
+    /// within the window after that.
+    fn covers(&self, acked_at: Instant, now: Instant) -> bool {
+        let Some(reconnected) = self.reconnected else {
+            return false;
+        };
+        acked_at + LOST_ACK_WINDOW >= self.last_seen_open
+            && acked_at <= reconnected
+            && now <= reconnected + LOST_ACK_WINDOW
     }
 }
 
@@ -493,6 +521,11 @@ mod tests {
         None
     }
 
+    /// No broker connection seen lost.
+    fn no_loss() -> Option<ConnectionLoss> {
+        None
+    }
+
     #[test]
     fn a_redelivered_acked_entry_is_recognised_and_the_first_one_resends_all() {
         let now = Instant::now();
@@ -500,7 +533,7 @@ mod tests {
         for entry in 1..=4 {
             acks.record((0, 9, entry), now);
         }
-        let mut redelivered = |entry, at| acks.redelivered(entry, at, no_stream_end);
+        let mut redelivered = |entry, at| acks.redelivered(entry, at, no_stream_end, no_loss);
         assert_eq!(
             redelivered((0, 9, 1), now),
             Redelivery::NotAcked,
@@ -539,13 +572,13 @@ mod tests {
             acks.record((1, 9, entry), now);
         }
         assert_eq!(
-            acks.redelivered((0, 9, 1), now, no_stream_end),
+            acks.redelivered((0, 9, 1), now, no_stream_end, no_loss),
             Redelivery::AckLost(vec![(0, 9, 1), (0, 9, 2), (1, 9, 3), (1, 9, 4)]),
             "nothing evicted below the new capacity"
         );
         acks.record((1, 9, 5), now);
         assert_eq!(
-            acks.redelivered((0, 9, 1), now, no_stream_end),
+            acks.redelivered((0, 9, 1), now, no_stream_end, no_loss),
             Redelivery::NotAcked,
             "the oldest goes"
         );
@@ -559,18 +592,18 @@ mod tests {
         acks.record((0, 9, 2), begun + Duration::from_secs(5));
         let reset = begun + LOST_ACK_WINDOW + Duration::from_secs(1);
         assert_eq!(
-            acks.redelivered((0, 9, 1), reset, no_stream_end),
+            acks.redelivered((0, 9, 1), reset, no_stream_end, no_loss),
             Redelivery::Replay,
             "acked 11 s before it came back"
         );
         assert!(!acks.contains((0, 9, 1)), "forgotten: its new ack counts");
         assert_eq!(
-            acks.redelivered((0, 9, 1), reset, no_stream_end),
+            acks.redelivered((0, 9, 1), reset, no_stream_end, no_loss),
             Redelivery::NotAcked,
             "a second copy of the replay is handled as well"
         );
         assert_eq!(
-            acks.redelivered((0, 9, 2), reset, no_stream_end),
+            acks.redelivered((0, 9, 2), reset, no_stream_end, no_loss),
             Redelivery::AckLost(vec![(0, 9, 2)]),
             "acked 6 s before: perhaps lost, and the only one resent"
         );
@@ -578,7 +611,7 @@ mod tests {
         // Handled again and acked again, it is remembered anew.
         acks.record((0, 9, 1), reset);
         assert_eq!(
-            acks.redelivered((0, 9, 1), reset, no_stream_end),
+            acks.redelivered((0, 9, 1), reset, no_stream_end, no_loss),
             Redelivery::AckLost(vec![(0, 9, 1)])
         );
     }
@@ -597,20 +630,25 @@ mod tests {
         };
         let partition_0_ended = |(partition, ..): EntryKey| (partition == 0).then_some(outage);
         assert_eq!(
-            acks.redelivered((0, 9, 1), back, partition_0_ended),
+            acks.redelivered((0, 9, 1), back, partition_0_ended, no_loss),
             Redelivery::AckLost(vec![(0, 9, 1)]),
             "its stream ended 2 s after the ack; the bulk resend leaves out \
              the other partition's, which is older than the window"
         );
         assert_eq!(
-            acks.redelivered((1, 9, 1), back, partition_0_ended),
+            acks.redelivered((1, 9, 1), back, partition_0_ended, no_loss),
             Redelivery::Replay,
             "the other partition's stream never ended"
         );
         // A stream end before the ack says nothing about it.
         acks.record((0, 9, 2), back);
         assert_eq!(
-            acks.redelivered((0, 9, 2), back + LOST_ACK_WINDOW * 2, partition_0_ended),
+            acks.redelivered(
+                (0, 9, 2),
+                back + LOST_ACK_WINDOW * 2,
+                partition_0_ended,
+                no_loss
+            ),
             Redelivery::Replay
         );
     }
@@ -627,20 +665,20 @@ mod tests {
         acks.record((0, 9, 2), acked);
         let outage = |reopened| move |_: EntryKey| Some(Outage { ended, reopened });
         assert_eq!(
-            acks.redelivered((0, 9, 1), back, outage(Some(back))),
+            acks.redelivered((0, 9, 1), back, outage(Some(back)), no_loss),
             Redelivery::AckLost(vec![(0, 9, 1), (0, 9, 2)]),
             "25 s after the ack, but at once after it was sent"
         );
         // A reset of the cursor well after the return replays it.
         let later = back + LOST_ACK_WINDOW * 2;
         assert_eq!(
-            acks.redelivered((0, 9, 2), later, outage(Some(back))),
+            acks.redelivered((0, 9, 2), later, outage(Some(back)), no_loss),
             Redelivery::Replay
         );
         // An ack made after the return was sent when it was made.
         acks.record((0, 9, 3), back + Duration::from_secs(1));
         assert_eq!(
-            acks.redelivered((0, 9, 3), later, outage(Some(back))),
+            acks.redelivered((0, 9, 3), later, outage(Some(back)), no_loss),
             Redelivery::Replay
         );
     }
@@ -654,9 +692,93 @@ mod tests {
         acks.record((0, 9, 2), now + Duration::from_secs(1));
         assert!(acks.contains((0, 9, 1)), "its stale first record went");
         assert_eq!(
-            acks.redelivered((0, 9, 2), now + Duration::from_secs(1), no_stream_end),
+            acks.redelivered(
+                (0, 9, 2),
+                now + Duration::from_secs(1),
+                no_stream_end,
+                no_loss
+            ),
             Redelivery::AckLost(vec![(0, 9, 1), (0, 9, 2)]),
             "each entry resent once"
+        );
+    }
+
+    #[test]
+    fn an_ack_shortly_before_a_lost_connection_is_lost_however_long_the_reconnection() {
+        let seen_open = Instant::now();
+        let acked = seen_open + Duration::from_secs(3);
+        let reconnected = acked + Duration::from_secs(40);
+        let back = reconnected + Duration::from_secs(1);
+        let mut acks = RecentAcks::new(16);
+        acks.record((0, 9, 1), seen_open - LOST_ACK_WINDOW * 2);
+        acks.record((0, 9, 2), seen_open - LOST_ACK_WINDOW / 2);
+        acks.record((0, 9, 3), acked);
+        let loss = ConnectionLoss {
+            last_seen_open: seen_open,
+            reconnected: Some(reconnected),
+        };
+        assert_eq!(
+            acks.redelivered((0, 9, 3), back, no_stream_end, || Some(loss)),
+            Redelivery::AckLost(vec![(0, 9, 2), (0, 9, 3)]),
+            "acked after the connection was last seen open, back 38 s after \
+             the ack, at once after the reconnection; the bulk resend takes \
+             the ack made 5 s before the last sighting, not the one made 20 s \
+             before"
+        );
+        assert_eq!(
+            acks.redelivered((0, 9, 1), back, no_stream_end, || Some(loss)),
+            Redelivery::Replay,
+            "acked longer than the window before the connection was last seen"
+        );
+        assert_eq!(
+            acks.redelivered((0, 9, 3), back, no_stream_end, || Some(ConnectionLoss {
+                reconnected: None,
+                ..loss
+            })),
+            Redelivery::Replay,
+            "a connection lost and none made since explains no delivery"
+        );
+    }
+
+    #[test]
+    fn a_connection_loss_explains_no_delivery_long_after_the_reconnection() {
+        let seen_open = Instant::now();
+        let reconnected = seen_open + Duration::from_secs(30);
+        let loss = || {
+            Some(ConnectionLoss {
+                last_seen_open: seen_open,
+                reconnected: Some(reconnected),
+            })
+        };
+        let mut acks = RecentAcks::new(16);
+        acks.record((0, 9, 1), seen_open);
+        acks.record((0, 9, 2), reconnected + Duration::from_secs(1));
+        let reset = reconnected + LOST_ACK_WINDOW * 3;
+        assert_eq!(
+            acks.redelivered((0, 9, 1), reset, no_stream_end, loss),
+            Redelivery::Replay,
+            "a reset of the cursor well after the reconnection replays it"
+        );
+        assert_eq!(
+            acks.redelivered((0, 9, 2), reset, no_stream_end, loss),
+            Redelivery::Replay,
+            "acked on the new connection"
+        );
+    }
+
+    #[test]
+    fn the_connection_loss_is_asked_only_when_the_rest_does_not_show_the_ack_lost() {
+        let now = Instant::now();
+        let mut acks = RecentAcks::new(16);
+        acks.record((0, 9, 1), now);
+        let unasked = || -> Option<ConnectionLoss> { panic!("asked") };
+        assert_eq!(
+            acks.redelivered((0, 9, 1), now, no_stream_end, unasked),
+            Redelivery::AckLost(vec![(0, 9, 1)])
+        );
+        assert_eq!(
+            acks.redelivered((0, 9, 2), now, no_stream_end, unasked),
+            Redelivery::NotAcked
         );
     }
 }

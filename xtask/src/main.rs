@@ -46,9 +46,10 @@ commands:
                    sigkill-exclusive, hung, memory): a table of
                    produced, handled, acked, dead-lettered, lost and duplicated
                    messages; fails if one is lost, duplicated after a graceful
-                   close, or close_within(d) takes more than d + 1 s. broker-kill
+                   close, handled before the broker's kill and again after it,
+                   or close_within(d) takes more than d + 1 s. broker-kill
                    runs only when this command started the broker. --quick: the
-                   first four with 3,000 messages each; --debug: a debug build
+                   first five with 3,000 messages each; --debug: a debug build
   broker start     start the standalone broker (returns once it answers)
   broker stop      stop the broker that `broker start` started
   broker status    tell whether a broker answers (exit code 0) or not (1)
@@ -354,7 +355,7 @@ fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
     let python = setup::ensure_python_env(paths)?;
     let addr = BrokerAddr::from_env()?;
     // Dropping `started` stops the broker, on every way out of this function.
-    let started = broker::ensure_running(paths, &addr)?;
+    let mut started = broker::ensure_running(paths, &addr)?;
     let (java, java_classpath) = broker::java_client(paths)?;
 
     let env = [
@@ -394,7 +395,7 @@ fn cmd_test(paths: &Paths, extra: &[String]) -> Result<(), String> {
         // The no-loss contract under faults, on every change.
         info("running the quick fault-injection suite (cargo xtask chaos --quick)");
         let begun = Instant::now();
-        if let Err(e) = chaos::run_quick(paths, &addr) {
+        if let Err(e) = chaos::run_quick(paths, &addr, &mut started) {
             failures.push(e);
         }
         info(&format!(
