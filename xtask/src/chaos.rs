@@ -1623,10 +1623,11 @@ mod tests {
     }
 
     #[test]
-    fn the_quick_plan_is_the_first_four_scenarios() {
+    fn the_quick_plan_is_the_first_five_scenarios() {
         let quick: Vec<&str> = plan(true).iter().map(|s| s.name).collect();
         let full: Vec<&str> = plan(false).iter().map(|s| s.name).collect();
-        assert_eq!(quick, full[..4]);
+        assert_eq!(quick, full[..5]);
+        assert_eq!(quick[4], "broker-kill");
         assert!(plan(true).iter().all(|s| s.messages <= 5_000));
     }
 }
