@@ -234,6 +234,13 @@ pub(super) struct Outage {
 /// replay its entry (the delivery looks like a quick reconnection's).
 pub(super) const LOST_ACK_WINDOW: Duration = Duration::from_secs(10);
 
+/// How long after a reconnection the entries it brought back may still be
+/// taken for lost acks: the broker delivers them at once, but a subscription
+/// whose priority is not served takes its messages from the consumer's
+/// queue later. An entry acked before the outage that comes back later than
+/// this is a replay (a reset of the cursor).
+const REDELIVERY_TAKEN_WITHIN: Duration = Duration::from_secs(60);
+
 /// After a bulk re-send, another waits this long.
 const BULK_RESEND_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -330,17 +337,17 @@ impl RecentAcks {
 
 impl ConnectionLoss {
     /// Whether an ack sent at `acked_at` may have been lost with the
-    /// connection, for an entry delivered again at `now`: sent at most
-    /// [`LOST_ACK_WINDOW`] before the connection was last seen open, or
-    /// after, and not after the new connection was seen; and delivered again
-    /// within the window after that.
+    /// connection, for an entry taken from the consumer again at `now`:
+    /// sent at most [`LOST_ACK_WINDOW`] before the connection was last seen
+    /// open, or after, and not after the new connection was seen; and taken
+    /// within [`REDELIVERY_TAKEN_WITHIN`] after that.
     fn covers(&self, acked_at: Instant, now: Instant) -> bool {
         let Some(reconnected) = self.reconnected else {
             return false;
         };
         acked_at + LOST_ACK_WINDOW >= self.last_seen_open
             && acked_at <= reconnected
-            && now <= reconnected + LOST_ACK_WINDOW
+            && now <= reconnected + REDELIVERY_TAKEN_WITHIN
     }
 }
 
@@ -730,6 +737,18 @@ mod tests {
             Redelivery::Replay,
             "acked longer than the window before the connection was last seen"
         );
+        acks.record((0, 9, 4), acked);
+        assert_eq!(
+            acks.redelivered(
+                (0, 9, 4),
+                reconnected + REDELIVERY_TAKEN_WITHIN,
+                no_stream_end,
+                || Some(loss)
+            ),
+            Redelivery::AckLost(vec![(0, 9, 2), (0, 9, 3), (0, 9, 4)]),
+            "taken from the consumer long after the reconnection (its \
+             subscription's priority was not served), and a bulk re-send due"
+        );
         assert_eq!(
             acks.redelivered((0, 9, 3), back, no_stream_end, || Some(ConnectionLoss {
                 reconnected: None,
@@ -753,7 +772,7 @@ mod tests {
         let mut acks = RecentAcks::new(16);
         acks.record((0, 9, 1), seen_open);
         acks.record((0, 9, 2), reconnected + Duration::from_secs(1));
-        let reset = reconnected + LOST_ACK_WINDOW * 3;
+        let reset = reconnected + REDELIVERY_TAKEN_WITHIN + Duration::from_secs(1);
         assert_eq!(
             acks.redelivered((0, 9, 1), reset, no_stream_end, loss),
             Redelivery::Replay,

@@ -23,7 +23,7 @@
 //! This needs Linux's `/proc/self/fd`; elsewhere it does nothing.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -37,9 +37,8 @@ pub(super) struct BrokerSockets {
     last_check: Cell<Option<Instant>>,
     /// Messages received by every consumer of the transport.
     received: Cell<u64>,
-    /// The broker connections open at the last look, by local address, each
-    /// with the last look that saw it open.
-    open: RefCell<HashMap<SocketAddr, Instant>>,
+    /// The broker connections open at the last look, by local address.
+    open: RefCell<HashSet<SocketAddr>>,
     /// The last connection lost, if one was.
     last_loss: Cell<Option<ConnectionLoss>>,
 }
@@ -61,6 +60,13 @@ const NODELAY_RECHECK: Duration = Duration::from_secs(10);
 /// Received messages between two looks at the clock for [`NODELAY_RECHECK`].
 const NODELAY_RECHECK_EVERY: u64 = 256;
 
+/// A connection lost at most this long after the last loss's reconnection
+/// (or before it) belongs to the same outage: a broker starting up can
+/// take a connection and drop it, and of two connections lost together one
+/// can be noticed a look later. The outage keeps its first connection's
+/// last sighting, which dates the acks lost.
+const SAME_OUTAGE: Duration = Duration::from_secs(10);
+
 /// How old a look may be for [`BrokerSockets::last_loss`] to answer from it.
 const LOSS_RECHECK: Duration = Duration::from_secs(1);
 
@@ -78,7 +84,7 @@ impl BrokerSockets {
     /// the new ones, and notes those lost and made since the last look.
     pub(super) fn look(&self) {
         let now = Instant::now();
-        self.last_check.set(Some(now));
+        let previous = self.last_check.replace(Some(now));
         let Some(found) = broker_connections(&self.peers.borrow()) else {
             return;
         };
@@ -89,32 +95,30 @@ impl BrokerSockets {
         if changed > 0 {
             tracing::debug!(changed, "TCP_NODELAY set on broker connections");
         }
-        self.note_open(
-            found.iter().map(|connection| connection.local).collect(),
-            now,
-        );
+        let found = found.iter().map(|connection| connection.local).collect();
+        self.note_open(found, previous, now);
     }
 
     /// Notes the broker connections open at `now`, by local address, and a
-    /// connection lost or made since the last look.
-    fn note_open(&self, found: HashSet<SocketAddr>, now: Instant) {
+    /// connection lost (open at the `previous` look) or made since.
+    fn note_open(&self, found: HashSet<SocketAddr>, previous: Option<Instant>, now: Instant) {
         let mut open = self.open.borrow_mut();
-        let lost = open
-            .iter()
-            .filter(|(local, _)| !found.contains(local))
-            .map(|(_, &seen)| seen)
-            .max();
-        let made = found.iter().any(|local| !open.contains_key(local));
-        let loss = match lost {
-            Some(last_seen_open) => {
+        let last_loss = self.last_loss.get();
+        let same_outage = last_loss.is_some_and(|loss| {
+            loss.reconnected
+                .is_none_or(|reconnected| now.duration_since(reconnected) <= SAME_OUTAGE)
+        });
+        let loss = match previous {
+            Some(last_seen_open) if !open.is_subset(&found) && !same_outage => {
                 tracing::debug!("a broker connection was lost");
                 Some(ConnectionLoss {
                     last_seen_open,
                     reconnected: None,
                 })
             }
-            None => self.last_loss.get(),
+            _ => last_loss,
         };
+        let made = !found.is_subset(&open);
         self.last_loss.set(loss.map(|loss| match loss.reconnected {
             None if made => ConnectionLoss {
                 reconnected: Some(now),
@@ -122,7 +126,7 @@ impl BrokerSockets {
             },
             _ => loss,
         }));
-        *open = found.into_iter().map(|local| (local, now)).collect();
+        *open = found;
     }
 
     /// Called for every message received; looks at the clock only every
@@ -311,6 +315,56 @@ mod tests {
             sockets.last_loss().and_then(|loss| loss.reconnected),
             Some(made),
             "a connection that stays open changes nothing"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn losses_soon_after_a_reconnection_belong_to_its_outage() {
+        let broker = TcpListener::bind("127.0.0.1:0").unwrap();
+        let sockets = sockets_for(&broker);
+        let connect = || TcpStream::connect(broker.local_addr().unwrap()).unwrap();
+        let (first, second) = (connect(), connect());
+        let opened = Instant::now();
+        sockets.look();
+
+        tokio::time::advance(LOSS_RECHECK).await;
+        drop(first);
+        let third = connect();
+        let reconnected = Instant::now();
+        let outage = Some(ConnectionLoss {
+            last_seen_open: opened,
+            reconnected: Some(reconnected),
+        });
+        assert_eq!(sockets.last_loss(), outage);
+
+        tokio::time::advance(LOSS_RECHECK).await;
+        drop(second);
+        assert_eq!(
+            sockets.last_loss(),
+            outage,
+            "the other connection of the outage, noticed a look later"
+        );
+        tokio::time::advance(LOSS_RECHECK).await;
+        drop(third);
+        let fourth = connect();
+        assert_eq!(
+            sockets.last_loss(),
+            outage,
+            "a connection made during the outage and dropped again"
+        );
+
+        tokio::time::advance(SAME_OUTAGE).await;
+        let seen = Instant::now();
+        assert_eq!(sockets.last_loss(), outage, "nothing lost since");
+        tokio::time::advance(LOSS_RECHECK).await;
+        drop(fourth);
+        assert_eq!(
+            sockets.last_loss(),
+            Some(ConnectionLoss {
+                last_seen_open: seen,
+                reconnected: None
+            }),
+            "a loss long after the reconnection is another outage"
         );
     }
 
