@@ -170,6 +170,17 @@ fn plan(quick: bool) -> Vec<Scenario> {
     if !quick {
         plan.extend([
             Scenario {
+                name: "broker-kill-exclusive",
+                what: "as broker-kill, on an Exclusive subscription",
+                messages: n,
+                mix: "standard",
+                fault: Fault::KillBroker,
+                at: 0.3,
+                no_duplicates: false,
+                acks_recognised: true,
+                exclusive: true,
+            },
+            Scenario {
                 name: "sigkill-exclusive",
                 what: "as sigkill, on an Exclusive subscription",
                 messages: n,

@@ -43,7 +43,7 @@ commands:
   chaos [--quick] [--only NAME,..] [--debug]
                    start a broker if needed and run the fault-injection suite
                    (mixed, sigkill, close, close-exclusive, broker-kill,
-                   sigkill-exclusive, hung, memory): a table of
+                   broker-kill-exclusive, sigkill-exclusive, hung, memory): a table of
                    produced, handled, acked, dead-lettered, lost and duplicated
                    messages; fails if one is lost, duplicated after a graceful
                    close, handled before the broker's kill and again after it,
