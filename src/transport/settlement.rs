@@ -196,7 +196,7 @@ pub(super) fn entry_of_chunk(id: &MessageIdData) -> EntryKey {
 /// gone and made again among the process's sockets (a [`ConnectionLoss`])
 /// covers the acks sent at most the window before the lost connection was
 /// last seen open, or after, until the new one was seen, for the
-/// redeliveries of the window after that. Otherwise the connection is taken
+/// redeliveries taken within [`REDELIVERY_TAKEN_WITHIN`] after that. Otherwise the connection is taken
 /// to have been lost now, at the redelivery (an unload's reconnection is
 /// quick). An ack made while the partition was being subscribed again
 /// waited for the new consumer: it counts as sent when that came. An entry

@@ -138,26 +138,25 @@ impl BrokerSockets {
         if received % NODELAY_RECHECK_EVERY != 0 {
             return;
         }
-        if self
-            .last_check
-            .get()
-            .is_none_or(|last| last.elapsed() >= NODELAY_RECHECK)
-        {
-            self.look();
-        }
+        self.look_unless_within(NODELAY_RECHECK);
     }
 
     /// The last broker connection lost, looking again first unless the last
     /// look is under [`LOSS_RECHECK`] old.
     pub(super) fn last_loss(&self) -> Option<ConnectionLoss> {
+        self.look_unless_within(LOSS_RECHECK);
+        self.last_loss.get()
+    }
+
+    /// Looks again unless the last look is under `age` old.
+    fn look_unless_within(&self, age: Duration) {
         if self
             .last_check
             .get()
-            .is_none_or(|last| last.elapsed() >= LOSS_RECHECK)
+            .is_none_or(|last| last.elapsed() >= age)
         {
             self.look();
         }
-        self.last_loss.get()
     }
 }
 
