@@ -1209,6 +1209,19 @@ fn instruction_rows(f: &Figures) -> Vec<Row> {
             .and_then(|counts| counts.get(name))
             .and_then(Value::as_f64)
     };
+    // "first/last" level misses of one workload, or "-".
+    let misses = |name: &str| {
+        let level = |level: &str| {
+            f.0.get("data_cache_misses_per_msg")
+                .and_then(|misses| misses.get(name))
+                .and_then(|misses| misses.get(level))
+                .and_then(Value::as_f64)
+        };
+        match (level("first_level"), level("last_level")) {
+            (Some(first), Some(last)) => format!("{first:.2}/{last:.2}"),
+            _ => "-".to_string(),
+        }
+    };
     vec![
         Row::shown(
             "instructions/msg, ours",
@@ -1238,6 +1251,16 @@ fn instruction_rows(f: &Figures) -> Vec<Row> {
                 "keyed {} unordered {}",
                 show(count("ours_keyed"), "").trim(),
                 show(count("ours_keyed_unordered"), "").trim()
+            ),
+        ),
+        Row::shown(
+            "data cache misses/msg, ours",
+            misses("ours"),
+            format!(
+                "first/last level; 1000 subs {}, plain loop {}, over 1000 topics {}",
+                misses("ours_k1000"),
+                misses("plain_loop"),
+                misses("plain_loop_k1000")
             ),
         ),
     ]
@@ -1512,7 +1535,7 @@ fn profile(what: &str, messages: usize) {
         println!("{run}");
         return;
     }
-    let workload = Workload::new(1, 20, messages);
+    let workload = Workload::new(1, 20, messages).counted();
     let elapsed = match what {
         "ours" => on_local(support::ours(workload)),
         "ours-large-future" => on_local(support::ours(workload.large_future())),
@@ -1533,7 +1556,9 @@ fn profile(what: &str, messages: usize) {
                 n.parse::<usize>()
                     .unwrap_or_else(|_| panic!("bad profile {what}"))
             };
-            let workload = Workload::new(parse(subscriptions), 20, messages).levels(parse(levels));
+            let workload = Workload::new(parse(subscriptions), 20, messages)
+                .levels(parse(levels))
+                .counted();
             on_local(support::ours(workload))
         }
         "floor" => on_local(support::floor(20, messages)),
