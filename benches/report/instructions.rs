@@ -126,12 +126,12 @@ struct Counts {
 }
 
 impl Counts {
-    /// `(self - earlier) / by`, figure by figure.
-    fn per(self, earlier: Counts, by: f64) -> Counts {
+    /// `figure(self's, other's)` for each of the three figures.
+    fn with(self, other: Counts, figure: impl Fn(f64, f64) -> f64) -> Counts {
         Counts {
-            instructions: (self.instructions - earlier.instructions) / by,
-            first_level_misses: (self.first_level_misses - earlier.first_level_misses) / by,
-            last_level_misses: (self.last_level_misses - earlier.last_level_misses) / by,
+            instructions: figure(self.instructions, other.instructions),
+            first_level_misses: figure(self.first_level_misses, other.first_level_misses),
+            last_level_misses: figure(self.last_level_misses, other.last_level_misses),
         }
     }
 }
@@ -153,25 +153,13 @@ fn marginal(exe: &Path, profile: &str) -> Result<Marginal, String> {
 /// `short` counted over `messages`, `long` over twice as many.
 fn split(short: Counts, long: Counts, messages: usize) -> Marginal {
     let messages = messages as f64;
-    let per_msg = long.per(short, messages);
+    let per_msg = long.with(short, |long, short| (long - short) / messages);
     // What a run of no messages would count: the short run less its
     // messages' share.
-    let per_run = short.per(
-        Counts {
-            instructions: per_msg.instructions * messages,
-            first_level_misses: per_msg.first_level_misses * messages,
-            last_level_misses: per_msg.last_level_misses * messages,
-        },
-        1.0,
-    );
-    Marginal {
-        per_msg,
-        per_run: Counts {
-            instructions: per_run.instructions.round(),
-            first_level_misses: per_run.first_level_misses.round(),
-            last_level_misses: per_run.last_level_misses.round(),
-        },
-    }
+    let per_run = short.with(per_msg, |short, per_msg| {
+        (short - per_msg * messages).round()
+    });
+    Marginal { per_msg, per_run }
 }
 
 /// What `profile` runs inside `LocalSet::tick` over `messages`.
