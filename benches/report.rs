@@ -794,11 +794,19 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
     emit(
         json!({"bench": "machine_stalls", "per_second": stalls.per_second,
                 "gap_p50_ns": stalls.gap_p50_ns, "gap_max_ns": stalls.gap_max_ns,
-                "lost_fraction": stalls.lost_fraction}),
+                "lost_fraction": stalls.lost_fraction,
+                "timer_ticks_per_second": stalls.timer_ticks_per_second,
+                "on_tick_share": stalls.on_tick_share}),
     );
     insert(report, "machine_stalls_per_s", stalls.per_second);
     insert(report, "machine_stall_p50_ns", stalls.gap_p50_ns);
     insert(report, "machine_stall_lost_fraction", stalls.lost_fraction);
+    if let Some(ticks) = stalls.timer_ticks_per_second {
+        insert(report, "machine_timer_ticks_per_s", ticks);
+    }
+    if let Some(share) = stalls.on_tick_share {
+        insert(report, "machine_stalls_on_tick_share", share);
+    }
 
     // How long the port's open-loop rounds take, all loads together (with
     // their warm-ups and the pause after each): what pooling its rounds as
@@ -1308,6 +1316,14 @@ fn latency_rows(f: &Figures) -> Vec<Row> {
                 f.show("machine_stall_p50_ns", "ns")
             ),
         ),
+        Row::shown(
+            "  kernel timer ticks in that second",
+            f.show("machine_timer_ticks_per_s", "/s"),
+            format!(
+                "share of the stalls in step with them {}",
+                f.show("machine_stalls_on_tick_share", "")
+            ),
+        ),
         Row::judged(
             "  port at the same rate, p99",
             f.show("mt_port_latency_p99_ns_at_80pct", "ns"),
@@ -1501,6 +1517,17 @@ fn smoke() {
     assert!(latency::kept_up(
         &[[500; 90].as_slice(), &[1_000_000; 4], &[500; 6]].concat()
     ));
+    // Gaps in step with a 250 Hz tick (counted as 251 over a second) share
+    // one phase of it; gaps spread evenly over the period share none.
+    let tick = 4_000_000;
+    let in_step: Vec<u64> = (0..250).map(|i| i * tick + 30_000 + i % 7).collect();
+    assert_eq!(latency::busiest_phase_share(&in_step, 251.0), Some(1.0));
+    let spread: Vec<u64> = (0..160).map(|i| i * (tick / 16 + 1)).collect();
+    assert_eq!(
+        latency::busiest_phase_share(&spread, 250.0),
+        Some(1.0 / 16.0)
+    );
+    assert_eq!(latency::busiest_phase_share(&[], 250.0), None);
     let backlog = on_local(latency::ours_backlog_rate(2_000));
     let sustained = on_local(latency::ours_sustained_rate(backlog, 2_000, 2));
     assert!(sustained >= backlog / 3.0 && sustained < backlog);

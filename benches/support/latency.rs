@@ -338,20 +338,40 @@ pub struct Stalls {
     pub gap_max_ns: u64,
     /// The share of the time lost in gaps.
     pub lost_fraction: f64,
+    /// The kernel's local timer interrupts (its scheduler tick) per second
+    /// on the CPU the loop ran on, from `/proc/interrupts`; `None` where
+    /// that is not readable or the loop moved to another CPU. A tick that
+    /// costs more than 5 µs is one gap.
+    pub timer_ticks_per_second: Option<f64>,
+    /// The share of the gaps that begin in the same sixteenth of the tick's
+    /// period (the busiest one): about 1/16 for gaps that come at random,
+    /// near 1 for gaps that are the tick.
+    pub on_tick_share: Option<f64>,
 }
 
 pub fn stalls(duration: Duration) -> Stalls {
+    let cpu = current_cpu();
+    let ticks_before = cpu.and_then(timer_interrupts);
     let origin = Instant::now();
     let end = duration.as_nanos() as u64;
     let mut gaps = Vec::with_capacity(1 << 16);
+    let mut starts = Vec::with_capacity(1 << 16);
     let mut last = 0u64;
     while last < end {
         let now = origin.elapsed().as_nanos() as u64;
         if now - last > 5_000 {
             gaps.push(now - last);
+            starts.push(last);
         }
         last = now;
     }
+    let seconds = last as f64 / 1e9;
+    let ticks_after = cpu
+        .filter(|&cpu| current_cpu() == Some(cpu))
+        .and_then(timer_interrupts);
+    let ticks_per_second = ticks_before
+        .zip(ticks_after)
+        .map(|(before, after)| after.saturating_sub(before) as f64 / seconds);
     let lost: u64 = gaps.iter().sum();
     let p = Percentiles::of(&gaps);
     Stalls {
@@ -359,7 +379,56 @@ pub fn stalls(duration: Duration) -> Stalls {
         gap_p50_ns: p.p50,
         gap_max_ns: p.max,
         lost_fraction: lost as f64 / last as f64,
+        timer_ticks_per_second: ticks_per_second,
+        on_tick_share: ticks_per_second.and_then(|ticks| busiest_phase_share(&starts, ticks)),
     }
+}
+
+/// Of events at `starts` (ns), the share in the busiest sixteenth of the
+/// tick's period, the tick rate being the kernel's choice (`CONFIG_HZ`:
+/// 100, 250, 300 or 1000 a second) nearest `ticks_per_second`; a rate
+/// counted over a second that is off by one would smear the phases.
+pub fn busiest_phase_share(starts: &[u64], ticks_per_second: f64) -> Option<f64> {
+    const KERNEL_TICK_RATES: [u64; 4] = [100, 250, 300, 1000];
+    if starts.is_empty() {
+        return None;
+    }
+    let rate = KERNEL_TICK_RATES.into_iter().min_by(|&a, &b| {
+        (a as f64 - ticks_per_second)
+            .abs()
+            .total_cmp(&(b as f64 - ticks_per_second).abs())
+    })?;
+    let period = 1_000_000_000 / rate;
+    let mut sixteenths = [0usize; 16];
+    for start in starts {
+        sixteenths[(start % period * 16 / period) as usize] += 1;
+    }
+    let busiest = sixteenths.iter().max().copied().unwrap_or(0);
+    Some(busiest as f64 / starts.len() as f64)
+}
+
+/// The CPU this thread runs on, where the platform says.
+fn current_cpu() -> Option<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: no arguments; returns -1 on failure.
+        let cpu = unsafe { libc::sched_getcpu() };
+        usize::try_from(cpu).ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
+/// Local timer interrupts so far on `cpu` (the `LOC:` row of
+/// `/proc/interrupts`, one column per CPU).
+fn timer_interrupts(cpu: usize) -> Option<u64> {
+    let table = std::fs::read_to_string("/proc/interrupts").ok()?;
+    let row = table
+        .lines()
+        .find_map(|line| line.trim_start().strip_prefix("LOC:"))?;
+    row.split_whitespace().nth(cpu)?.parse().ok()
 }
 
 /// What the priority-inversion benchmark found.
