@@ -807,6 +807,16 @@ fn latencies(sizes: &Sizes, mt_runtime: &tokio::runtime::Runtime, report: &mut M
     if let Some(share) = stalls.on_tick_share {
         insert(report, "machine_stalls_on_tick_share", share);
     }
+    // What those stalls alone leave of the latency target: a consumer that
+    // costs exactly ours' sustained time per message and loses nothing
+    // else, offered 80% of that rate.
+    let ideal = Percentiles::of(&stalls.trace.ideal_consumer(
+        Duration::from_secs_f64(1.0 / (saturation * 0.8)),
+        Duration::from_secs_f64(1.0 / saturation),
+    ));
+    emit(json!({"bench": "ideal_consumer", "load_pct": 80, "latency": percentiles_json(&ideal)}));
+    detail.insert("ideal_consumer_80pct".into(), percentiles_json(&ideal));
+    insert(report, "ideal_consumer_latency_p99_ns_at_80pct", ideal.p99);
 
     // How long the port's open-loop rounds take, all loads together (with
     // their warm-ups and the pause after each): what pooling its rounds as
@@ -1064,6 +1074,11 @@ impl Figures<'_> {
         self.0.get(key).and_then(Value::as_f64)
     }
 
+    /// The figure under `a` over the one under `b`.
+    fn ratio(&self, a: &str, b: &str) -> Option<f64> {
+        self.number(a).zip(self.number(b)).map(|(a, b)| a / b)
+    }
+
     /// The figure under `key`, right-aligned, with its unit.
     fn show(&self, key: &str, unit: &str) -> String {
         show(self.number(key), unit)
@@ -1277,10 +1292,7 @@ fn instruction_rows(f: &Figures) -> Vec<Row> {
 /// In memory: latency idle and under open-loop load, priority inversions,
 /// and one dispatcher per core.
 fn latency_rows(f: &Figures) -> Vec<Row> {
-    let p99_over_idle = f
-        .number("latency_p99_ns_at_80pct")
-        .zip(f.number("idle_latency_p50_ns"))
-        .map(|(p99, idle)| p99 / idle);
+    let p99_over_idle = f.ratio("latency_p99_ns_at_80pct", "idle_latency_p50_ns");
     vec![
         Row::shown(
             "idle latency p50 (ours)",
@@ -1314,6 +1326,20 @@ fn latency_rows(f: &Figures) -> Vec<Row> {
                 "machine stalls {}/s, p50 {}",
                 f.show("machine_stalls_per_s", ""),
                 f.show("machine_stall_p50_ns", "ns")
+            ),
+        ),
+        Row::shown(
+            "  a consumer costing only the stalls",
+            f.show("ideal_consumer_latency_p99_ns_at_80pct", "ns"),
+            format!(
+                "p99, {} idle p50",
+                show(
+                    f.ratio(
+                        "ideal_consumer_latency_p99_ns_at_80pct",
+                        "idle_latency_p50_ns"
+                    ),
+                    "x"
+                )
             ),
         ),
         Row::shown(
@@ -1528,6 +1554,18 @@ fn smoke() {
         Some(1.0 / 16.0)
     );
     assert_eq!(latency::busiest_phase_share(&[], 250.0), None);
+    // A consumer at half load loses nothing without gaps; a gap delays the
+    // arrival at its start by its whole length, and the queue it leaves
+    // drains.
+    let (every, service) = (Duration::from_nanos(100), Duration::from_nanos(50));
+    let calm = latency::StallTrace::new(Vec::new(), 100_000).ideal_consumer(every, service);
+    assert!(calm.len() == 1_000 && calm.iter().all(|&late| late == 0));
+    let gap = latency::StallTrace::new(vec![(1_000, 10_000)], 100_000);
+    let late = gap.ideal_consumer(every, service);
+    assert_eq!(late.len(), 1_000);
+    assert_eq!(late[10], 10_000);
+    assert_eq!(late.iter().max(), Some(&10_000));
+    assert_eq!(late[999], 0);
     let backlog = on_local(latency::ours_backlog_rate(2_000));
     let sustained = on_local(latency::ours_sustained_rate(backlog, 2_000, 2));
     assert!(sustained >= backlog / 3.0 && sustained < backlog);
@@ -1674,7 +1712,14 @@ fn profile(what: &str, messages: usize) {
                 );
                 let plain = on_local(latency::plain_open_loop(interval, messages));
                 println!("  the plain loop at the same rate: {:?}", steady(&plain));
-                println!("  machine: {:?}", latency::stalls(Duration::from_secs(1)));
+                let stalls = latency::stalls(Duration::from_secs(1));
+                println!("  machine: {stalls:?}");
+                let service = Duration::from_secs_f64(1.0 / saturation);
+                let ideal = stalls.trace.ideal_consumer(interval, service);
+                println!(
+                    "  a consumer costing only the stalls and {service:?} a message: {:?}",
+                    Percentiles::of(&ideal)
+                );
                 return;
             }
             if let Some(burst) = other.strip_prefix("bursts-") {

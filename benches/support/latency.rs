@@ -330,7 +330,7 @@ pub async fn plain_open_loop(interval: Duration, messages: usize) -> Vec<u64> {
 /// What this machine takes from a thread that never blocks: a loop that
 /// only reads the clock for `duration`, and the gaps of more than 5 µs
 /// between two readings (interrupts, the hypervisor, other processes).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Stalls {
     /// Gaps per second.
     pub per_second: f64,
@@ -347,6 +347,67 @@ pub struct Stalls {
     /// period (the busiest one): about 1/16 for gaps that come at random,
     /// near 1 for gaps that are the tick.
     pub on_tick_share: Option<f64>,
+    pub trace: StallTrace,
+}
+
+/// Every gap [`stalls`] saw: when it began and how long it lasted (ns from
+/// the loop's start), in order, and how long the loop ran.
+#[derive(Clone, Default)]
+pub struct StallTrace {
+    gaps: Vec<(u64, u64)>,
+    span_ns: u64,
+}
+
+impl std::fmt::Debug for StallTrace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} gaps over {} ns", self.gaps.len(), self.span_ns)
+    }
+}
+
+impl StallTrace {
+    /// A trace of `gaps` (start, length) over `span_ns`.
+    pub fn new(gaps: Vec<(u64, u64)>, span_ns: u64) -> Self {
+        StallTrace { gaps, span_ns }
+    }
+
+    /// The lateness of every message for a consumer that costs `service`
+    /// per message and loses nothing but this trace's gaps, with arrivals
+    /// every `interval` over the trace's span: what the machine alone
+    /// takes, the floor under any single-threaded consumer's open-loop
+    /// latency at that load. Lateness, as in the open loop, runs from the
+    /// scheduled arrival to the handler's start; a handler does not start
+    /// in a gap, and a gap in the middle of a handler lengthens it.
+    pub fn ideal_consumer(&self, interval: Duration, service: Duration) -> Vec<u64> {
+        let (interval, service) = (interval.as_secs_f64() * 1e9, service.as_secs_f64() * 1e9);
+        let gaps = &self.gaps;
+        let mut next_gap = 0;
+        let mut free_at = 0.0f64;
+        let mut lateness = Vec::with_capacity((self.span_ns as f64 / interval) as usize + 1);
+        let mut arrival = 0.0f64;
+        while arrival < self.span_ns as f64 {
+            let mut start = arrival.max(free_at);
+            while let Some(&(gap_start, length)) = gaps.get(next_gap) {
+                let (gap_start, gap_end) = (gap_start as f64, (gap_start + length) as f64);
+                if gap_start > start {
+                    break;
+                }
+                start = start.max(gap_end);
+                next_gap += 1;
+            }
+            let mut finish = start + service;
+            while let Some(&(gap_start, length)) = gaps.get(next_gap) {
+                if gap_start as f64 >= finish {
+                    break;
+                }
+                finish += length as f64;
+                next_gap += 1;
+            }
+            free_at = finish;
+            lateness.push((start - arrival) as u64);
+            arrival += interval;
+        }
+        lateness
+    }
 }
 
 pub fn stalls(duration: Duration) -> Stalls {
@@ -355,16 +416,16 @@ pub fn stalls(duration: Duration) -> Stalls {
     let origin = Instant::now();
     let end = duration.as_nanos() as u64;
     let mut gaps = Vec::with_capacity(1 << 16);
-    let mut starts = Vec::with_capacity(1 << 16);
     let mut last = 0u64;
     while last < end {
         let now = origin.elapsed().as_nanos() as u64;
         if now - last > 5_000 {
-            gaps.push(now - last);
-            starts.push(last);
+            gaps.push((last, now - last));
         }
         last = now;
     }
+    let starts: Vec<u64> = gaps.iter().map(|&(start, _)| start).collect();
+    let lengths: Vec<u64> = gaps.iter().map(|&(_, length)| length).collect();
     let seconds = last as f64 / 1e9;
     let ticks_after = cpu
         .filter(|&cpu| current_cpu() == Some(cpu))
@@ -372,8 +433,8 @@ pub fn stalls(duration: Duration) -> Stalls {
     let ticks_per_second = ticks_before
         .zip(ticks_after)
         .map(|(before, after)| after.saturating_sub(before) as f64 / seconds);
-    let lost: u64 = gaps.iter().sum();
-    let p = Percentiles::of(&gaps);
+    let lost: u64 = lengths.iter().sum();
+    let p = Percentiles::of(&lengths);
     Stalls {
         per_second: gaps.len() as f64 / duration.as_secs_f64(),
         gap_p50_ns: p.p50,
@@ -381,6 +442,7 @@ pub fn stalls(duration: Duration) -> Stalls {
         lost_fraction: lost as f64 / last as f64,
         timer_ticks_per_second: ticks_per_second,
         on_tick_share: ticks_per_second.and_then(|ticks| busiest_phase_share(&starts, ticks)),
+        trace: StallTrace::new(gaps, last),
     }
 }
 
