@@ -83,6 +83,7 @@ enum Fault {
     Memory,
 }
 
+#[derive(Clone, Copy)]
 struct Scenario {
     name: &'static str,
     what: &'static str,
@@ -102,8 +103,54 @@ struct Scenario {
     exclusive: bool,
 }
 
+impl Scenario {
+    /// This scenario on an Exclusive subscription instead, as `name`.
+    fn on_exclusive(self, name: &'static str, what: &'static str) -> Scenario {
+        Scenario {
+            name,
+            what,
+            exclusive: true,
+            ..self
+        }
+    }
+}
+
 fn plan(quick: bool) -> Vec<Scenario> {
     let (n, big) = if quick { (3_000, 0) } else { (10_000, 200_000) };
+    let sigkill = Scenario {
+        name: "sigkill",
+        what: "the worker killed with SIGKILL mid-load, then restarted",
+        messages: n,
+        mix: "standard",
+        fault: Fault::KillWorker,
+        at: 0.4,
+        no_duplicates: false,
+        acks_recognised: false,
+        exclusive: false,
+    };
+    let close = Scenario {
+        name: "close",
+        what: "a graceful close mid-load, then restarted",
+        messages: n,
+        mix: "standard",
+        fault: Fault::CloseWorker,
+        at: 0.4,
+        no_duplicates: true,
+        acks_recognised: false,
+        exclusive: false,
+    };
+    let broker_kill = Scenario {
+        name: "broker-kill",
+        what: "the broker killed with SIGKILL mid-load, restarted 3 s later; \
+               the worker left running",
+        messages: n,
+        mix: "standard",
+        fault: Fault::KillBroker,
+        at: 0.3,
+        no_duplicates: false,
+        acks_recognised: true,
+        exclusive: false,
+    };
     let mut plan = vec![
         Scenario {
             name: "mixed",
@@ -117,80 +164,31 @@ fn plan(quick: bool) -> Vec<Scenario> {
             acks_recognised: false,
             exclusive: false,
         },
-        Scenario {
-            name: "sigkill",
-            what: "the worker killed with SIGKILL mid-load, then restarted",
-            messages: n,
-            mix: "standard",
-            fault: Fault::KillWorker,
-            at: 0.4,
-            no_duplicates: false,
-            acks_recognised: false,
-            exclusive: false,
-        },
-        Scenario {
-            name: "close",
-            what: "a graceful close mid-load, then restarted",
-            messages: n,
-            mix: "standard",
-            fault: Fault::CloseWorker,
-            at: 0.4,
-            no_duplicates: true,
-            acks_recognised: false,
-            exclusive: false,
-        },
+        sigkill,
+        close,
         // On an Exclusive subscription a nack makes the broker deliver
         // again everything not yet acked, messages still being handled
         // included: those run twice without any fault.
         Scenario {
-            name: "close-exclusive",
-            what: "as close, on an Exclusive subscription (duplicates expected: a nack \
-                   redelivers every unacked message)",
-            messages: n,
-            mix: "standard",
-            fault: Fault::CloseWorker,
-            at: 0.4,
             no_duplicates: false,
-            acks_recognised: false,
-            exclusive: true,
+            ..close.on_exclusive(
+                "close-exclusive",
+                "as close, on an Exclusive subscription (duplicates expected: a nack \
+                 redelivers every unacked message)",
+            )
         },
-        Scenario {
-            name: "broker-kill",
-            what: "the broker killed with SIGKILL mid-load, restarted 3 s later; \
-                   the worker left running",
-            messages: n,
-            mix: "standard",
-            fault: Fault::KillBroker,
-            at: 0.3,
-            no_duplicates: false,
-            acks_recognised: true,
-            exclusive: false,
-        },
+        broker_kill,
     ];
     if !quick {
         plan.extend([
-            Scenario {
-                name: "broker-kill-exclusive",
-                what: "as broker-kill, on an Exclusive subscription",
-                messages: n,
-                mix: "standard",
-                fault: Fault::KillBroker,
-                at: 0.3,
-                no_duplicates: false,
-                acks_recognised: true,
-                exclusive: true,
-            },
-            Scenario {
-                name: "sigkill-exclusive",
-                what: "as sigkill, on an Exclusive subscription",
-                messages: n,
-                mix: "standard",
-                fault: Fault::KillWorker,
-                at: 0.4,
-                no_duplicates: false,
-                acks_recognised: false,
-                exclusive: true,
-            },
+            broker_kill.on_exclusive(
+                "broker-kill-exclusive",
+                "as broker-kill, on an Exclusive subscription",
+            ),
+            sigkill.on_exclusive(
+                "sigkill-exclusive",
+                "as sigkill, on an Exclusive subscription",
+            ),
             Scenario {
                 name: "hung",
                 what: "3% of handlers hang once: processing deadline 4 s; close_within(2 s) \
