@@ -26,7 +26,7 @@ use pulsar_dispatcher::transport::{
 };
 use pulsar_dispatcher::{Dispatcher, Message, MessageId, SubscribeOptions};
 
-use super::{lateness, receive_into, requeue, send_on_schedule};
+use super::{lateness, prefaulted, receive_into, requeue, send_on_schedule};
 
 /// p50, p99, p99.9 and max of a set of latencies, in nanoseconds, through
 /// an HDR histogram (3 significant digits).
@@ -58,14 +58,18 @@ impl Percentiles {
 
 const TOPIC: &str = "open-loop";
 
-/// How many messages go through a transport before a latency run: the
-/// in-memory broker records every ack in a `Vec` that doubles as it grows,
-/// and a doubling in the middle of a run (a copy of megabytes) would show
-/// as a pause of the dispatcher. After `2^k + 1` messages the log has room
-/// for `2^k - 1` more, so a run of fewer than `2^k` messages appends
-/// without reallocating.
+/// How many messages go through a transport before a latency run of
+/// `messages`: at least as many, sent at once, so that no backlog the run
+/// can build makes the topic's queue grow again (a copy, in the middle of
+/// the run), and the dispatcher's workers and the code they run are warm.
+/// A power of two: the queue is a ring (`VecDeque`) whose capacity doubles
+/// as it fills, so a burst of 2^k leaves it exactly full, and the run,
+/// which goes round the ring, writes to no slot for the first time (a page
+/// fault, and on a virtual machine often a host fault: see
+/// [`MemoryTransport::reserve_events`], which does the same for the
+/// broker's log).
 pub fn warm_up_messages(messages: usize) -> usize {
-    (messages + 1).next_power_of_two() + 1
+    messages.next_power_of_two()
 }
 
 /// A dispatcher (K = 1, C = 20) whose handler stamps its start time, in
@@ -78,6 +82,7 @@ async fn stamping_dispatcher(
     offset: usize,
 ) -> (MemoryTransport, Dispatcher<MemoryTransport>) {
     let transport = MemoryTransport::new();
+    transport.reserve_events(offset + started.len());
     let dispatcher = Dispatcher::builder()
         .concurrency(20)
         .build(transport.clone())
@@ -289,6 +294,7 @@ pub async fn plain_open_loop(interval: Duration, messages: usize) -> Vec<u64> {
     let started: Arc<[AtomicU64]> = (0..messages).map(|_| AtomicU64::new(0)).collect();
     let warm_up = warm_up_messages(messages);
     let transport = MemoryTransport::new();
+    transport.reserve_events(warm_up + messages);
     let mut consumer = transport
         .subscribe(&ConsumerSpec::new(TOPIC))
         .await
@@ -415,7 +421,7 @@ pub fn stalls(duration: Duration) -> Stalls {
     let ticks_before = cpu.and_then(timer_interrupts);
     let origin = Instant::now();
     let end = duration.as_nanos() as u64;
-    let mut gaps = Vec::with_capacity(1 << 16);
+    let mut gaps = prefaulted(1 << 16, (0, 0));
     let mut last = 0u64;
     while last < end {
         let now = origin.elapsed().as_nanos() as u64;
@@ -653,8 +659,11 @@ impl Random {
 /// started. Must be called inside a `LocalSet`.
 pub async fn inversions(high_messages: usize, low_work: u64) -> Inversions {
     let origin = Instant::now();
-    let log: Log = Rc::new(RefCell::new(Vec::with_capacity(1 << 20)));
+    // Room for a run's log and acks (about 100,000 low-priority messages
+    // go by while 5,000 high-priority ones arrive).
+    let log: Log = Rc::new(RefCell::new(prefaulted(1 << 20, (0, Seen::HighSent))));
     let memory = MemoryTransport::new();
+    memory.reserve_events(1 << 18);
     let transport = Traced {
         inner: memory.clone(),
         log: log.clone(),
@@ -880,6 +889,7 @@ pub fn per_core(cores: usize, messages: usize, work: u64) -> Duration {
         let (count, done, started) = (count.clone(), done_tx.clone(), started.clone());
         async move {
             let transport = MemoryTransport::new();
+            transport.reserve_events(per_dispatcher);
             let dispatcher = Dispatcher::builder()
                 .concurrency(20)
                 .build(transport.clone())?;

@@ -459,6 +459,17 @@ pub async fn plain_loop_counted(
     (elapsed, allocs)
 }
 
+/// An empty `Vec` with room for `capacity` items, every one of them
+/// written once, so that filling it in a measured run touches no memory
+/// for the first time (what that costs on a virtual machine: see
+/// `MemoryTransport::reserve_events`).
+pub fn prefaulted<T: Clone>(capacity: usize, blank: T) -> Vec<T> {
+    let mut items = Vec::with_capacity(capacity);
+    items.resize(capacity, blank);
+    items.clear();
+    items
+}
+
 /// Lets every other ready task of the runtime (or `LocalSet`) run once,
 /// then resumes: the task wakes itself and goes to the back of the run
 /// queue. Unlike `tokio::task::yield_now`, whose wake-up is deferred until

@@ -38,7 +38,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
 use super::latency::warm_up_messages;
-use super::Workload;
+use super::{prefaulted, Workload};
 
 /// A message of the multi-threaded port.
 #[derive(Clone, Debug)]
@@ -98,9 +98,12 @@ impl Queue {
 }
 
 impl MtTopic {
-    pub fn new(name: &str) -> Arc<Self> {
+    /// A topic whose log has room for `acks` acks, written once, as
+    /// `MemoryTransport::reserve_events` makes ours'.
+    pub fn new(name: &str, acks: usize) -> Arc<Self> {
         Arc::new(MtTopic {
             name: name.into(),
+            acked: Mutex::new(prefaulted(acks, (0, 0, -1, None))),
             ..Default::default()
         })
     }
@@ -358,7 +361,7 @@ pub fn run_counted(
     });
     let mut dispatcher = MtDispatcher::new(concurrency);
     let topics: Vec<_> = (0..subscriptions)
-        .map(|i| MtTopic::new(&workload.topic(i)))
+        .map(|i| MtTopic::new(&workload.topic(i), messages.div_ceil(subscriptions)))
         .collect();
     for (index, topic) in topics.iter().enumerate() {
         dispatcher.subscribe(topic.clone(), (index % levels) as i64, handler.clone());
@@ -490,7 +493,7 @@ pub fn open_loop(runtime: &Runtime, interval: Duration, messages: usize) -> Vec<
     let origin = Instant::now();
     let warm_up = warm_up_messages(messages);
     let handler = StampStarts::new(origin, messages, warm_up);
-    let topic = MtTopic::new("open-loop");
+    let topic = MtTopic::new("open-loop", warm_up + messages);
     let mut dispatcher = MtDispatcher::new(20);
     dispatcher.subscribe(topic.clone(), 0, handler.clone());
     let start = runtime.block_on(async {
@@ -523,7 +526,7 @@ pub fn idle(runtime: &Runtime, messages: usize) -> Vec<u64> {
     let origin = Instant::now();
     let warm_up = warm_up_messages(messages);
     let handler = StampStarts::new(origin, messages, warm_up);
-    let topic = MtTopic::new("idle");
+    let topic = MtTopic::new("idle", warm_up + messages);
     let mut dispatcher = MtDispatcher::new(20);
     dispatcher.subscribe(topic.clone(), 0, handler.clone());
     let sent_at = runtime.block_on(async {
@@ -600,7 +603,7 @@ pub struct MtLatency {
 impl MtLatency {
     pub fn new() -> Self {
         let runtime = runtime();
-        let topic = MtTopic::new("latency");
+        let topic = MtTopic::new("latency", 0);
         let handler = Arc::new(Signal {
             started: Mutex::new(None),
             signal: Notify::new(),
