@@ -26,7 +26,7 @@ use pulsar_dispatcher::transport::{
 };
 use pulsar_dispatcher::{Dispatcher, Message, MessageId, SubscribeOptions};
 
-use super::{lateness, prefaulted, receive_into, requeue, send_on_schedule};
+use super::{lateness, prefault, receive_into, requeue, send_on_schedule};
 
 /// p50, p99, p99.9 and max of a set of latencies, in nanoseconds, through
 /// an HDR histogram (3 significant digits).
@@ -421,7 +421,8 @@ pub fn stalls(duration: Duration) -> Stalls {
     let ticks_before = cpu.and_then(timer_interrupts);
     let origin = Instant::now();
     let end = duration.as_nanos() as u64;
-    let mut gaps = prefaulted(1 << 16, (0, 0));
+    let mut gaps = Vec::new();
+    prefault(&mut gaps, 1 << 16, (0, 0));
     let mut last = 0u64;
     while last < end {
         let now = origin.elapsed().as_nanos() as u64;
@@ -661,7 +662,9 @@ pub async fn inversions(high_messages: usize, low_work: u64) -> Inversions {
     let origin = Instant::now();
     // Room for a run's log and acks (about 100,000 low-priority messages
     // go by while 5,000 high-priority ones arrive).
-    let log: Log = Rc::new(RefCell::new(prefaulted(1 << 20, (0, Seen::HighSent))));
+    let mut log = Vec::new();
+    prefault(&mut log, 1 << 20, (0, Seen::HighSent));
+    let log: Log = Rc::new(RefCell::new(log));
     let memory = MemoryTransport::new();
     memory.reserve_events(1 << 18);
     let transport = Traced {

@@ -459,15 +459,15 @@ pub async fn plain_loop_counted(
     (elapsed, allocs)
 }
 
-/// An empty `Vec` with room for `capacity` items, every one of them
-/// written once, so that filling it in a measured run touches no memory
-/// for the first time (what that costs on a virtual machine: see
-/// `MemoryTransport::reserve_events`).
-pub fn prefaulted<T: Clone>(capacity: usize, blank: T) -> Vec<T> {
-    let mut items = Vec::with_capacity(capacity);
-    items.resize(capacity, blank);
-    items.clear();
-    items
+/// Makes room in `items` for `additional` more and writes each place once
+/// (with `blank`, cut off again), so that filling them in a measured run
+/// touches no memory for the first time (what that costs on a virtual
+/// machine: see `MemoryTransport::reserve_events`, which does the same for
+/// the in-memory broker's log).
+pub fn prefault<T: Clone>(items: &mut Vec<T>, additional: usize, blank: T) {
+    let len = items.len();
+    items.resize(len + additional, blank);
+    items.truncate(len);
 }
 
 /// Lets every other ready task of the runtime (or `LocalSet`) run once,
@@ -582,6 +582,7 @@ impl OursLatency {
 
     /// Total latency of `iters` messages, sent one at a time.
     pub fn measure(&self, iters: u64) -> Duration {
+        self.transport.reserve_events(iters as usize);
         self.local.block_on(&self.runtime, async {
             let mut total = Duration::ZERO;
             for _ in 0..iters {

@@ -38,7 +38,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
 use super::latency::warm_up_messages;
-use super::{prefaulted, Workload};
+use super::{prefault, Workload};
 
 /// A message of the multi-threaded port.
 #[derive(Clone, Debug)]
@@ -98,14 +98,21 @@ impl Queue {
 }
 
 impl MtTopic {
-    /// A topic whose log has room for `acks` acks, written once, as
-    /// `MemoryTransport::reserve_events` makes ours'.
-    pub fn new(name: &str, acks: usize) -> Arc<Self> {
+    pub fn new(name: &str) -> Arc<Self> {
         Arc::new(MtTopic {
             name: name.into(),
-            acked: Mutex::new(prefaulted(acks, (0, 0, -1, None))),
             ..Default::default()
         })
+    }
+
+    /// Makes room in the ack log for `additional` more acks, written once,
+    /// as `MemoryTransport::reserve_events` does for ours.
+    pub fn reserve_acks(&self, additional: usize) {
+        prefault(
+            &mut self.acked.lock().unwrap(),
+            additional,
+            (0, 0, -1, None),
+        );
     }
 
     /// Appends a message, as a producer would; returns its entry id.
@@ -361,8 +368,11 @@ pub fn run_counted(
     });
     let mut dispatcher = MtDispatcher::new(concurrency);
     let topics: Vec<_> = (0..subscriptions)
-        .map(|i| MtTopic::new(&workload.topic(i), messages.div_ceil(subscriptions)))
+        .map(|i| MtTopic::new(&workload.topic(i)))
         .collect();
+    for topic in &topics {
+        topic.reserve_acks(messages.div_ceil(subscriptions));
+    }
     for (index, topic) in topics.iter().enumerate() {
         dispatcher.subscribe(topic.clone(), (index % levels) as i64, handler.clone());
     }
@@ -493,7 +503,8 @@ pub fn open_loop(runtime: &Runtime, interval: Duration, messages: usize) -> Vec<
     let origin = Instant::now();
     let warm_up = warm_up_messages(messages);
     let handler = StampStarts::new(origin, messages, warm_up);
-    let topic = MtTopic::new("open-loop", warm_up + messages);
+    let topic = MtTopic::new("open-loop");
+    topic.reserve_acks(warm_up + messages);
     let mut dispatcher = MtDispatcher::new(20);
     dispatcher.subscribe(topic.clone(), 0, handler.clone());
     let start = runtime.block_on(async {
@@ -526,7 +537,8 @@ pub fn idle(runtime: &Runtime, messages: usize) -> Vec<u64> {
     let origin = Instant::now();
     let warm_up = warm_up_messages(messages);
     let handler = StampStarts::new(origin, messages, warm_up);
-    let topic = MtTopic::new("idle", warm_up + messages);
+    let topic = MtTopic::new("idle");
+    topic.reserve_acks(warm_up + messages);
     let mut dispatcher = MtDispatcher::new(20);
     dispatcher.subscribe(topic.clone(), 0, handler.clone());
     let sent_at = runtime.block_on(async {
@@ -603,7 +615,7 @@ pub struct MtLatency {
 impl MtLatency {
     pub fn new() -> Self {
         let runtime = runtime();
-        let topic = MtTopic::new("latency", 0);
+        let topic = MtTopic::new("latency");
         let handler = Arc::new(Signal {
             started: Mutex::new(None),
             signal: Notify::new(),
@@ -620,6 +632,7 @@ impl MtLatency {
     }
 
     pub fn measure(&self, iters: u64) -> Duration {
+        self.topic.reserve_acks(iters as usize);
         self.runtime.block_on(async {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
