@@ -330,7 +330,27 @@ impl MemoryTransport {
         log.truncate(len);
     }
 
-    /// Every publish, ack and nack so far, in order.
+    /// Forgets every publish, ack and nack logged so far: [`events`],
+    /// [`acked`], [`nacked`] and [`published`] start again from empty. What
+    /// waits on the topics, and what consumers hold, stays. The log keeps
+    /// its room (see [`reserve_events`]), so a long run that clears it as
+    /// it goes, a benchmark's or a soak test's, runs in bounded memory
+    /// rather than growing by an entry per ack.
+    ///
+    /// [`events`]: Self::events
+    /// [`acked`]: Self::acked
+    /// [`nacked`]: Self::nacked
+    /// [`published`]: Self::published
+    /// [`reserve_events`]: Self::reserve_events
+    pub fn clear_events(&self) {
+        self.broker.log.borrow_mut().clear();
+        for topic in self.broker.topics.borrow().values() {
+            topic.published.borrow_mut().clear();
+        }
+    }
+
+    /// Every publish, ack and nack so far (since the last
+    /// [`clear_events`](Self::clear_events)), in order.
     pub fn events(&self) -> Vec<Event> {
         let names = self.broker.names.borrow();
         self.broker
@@ -809,5 +829,32 @@ mod tests {
         assert!(transport.acked("other").is_empty());
         assert_eq!(transport.nacked("other"), [second]);
         assert!(transport.nacked("never-used").is_empty());
+    }
+
+    #[tokio::test]
+    async fn clearing_the_log_forgets_what_happened_and_keeps_what_waits() {
+        let transport = MemoryTransport::new();
+        let mut jobs = subscribe(&transport, "jobs").await;
+        let producer = transport.create_producer("jobs").await.expect("producer");
+        producer
+            .send(OutgoingMessage::new(b"p".to_vec()))
+            .await
+            .expect("published");
+        let waiting = transport.send("jobs", "w");
+        let published = receive(&mut jobs).id;
+        jobs.ack(&published).expect("acked");
+        transport.reserve_events(100);
+        let room = transport.broker.log.borrow().capacity();
+
+        transport.clear_events();
+        assert!(transport.events().is_empty());
+        assert!(transport.acked("jobs").is_empty());
+        assert!(transport.published("jobs").is_empty());
+        assert_eq!(transport.broker.log.borrow().capacity(), room);
+        // The message that waited still does, and what follows is logged.
+        assert_eq!(transport.backlog_len("jobs"), 1);
+        assert_eq!(receive(&mut jobs).id, waiting);
+        jobs.ack(&waiting).expect("acked");
+        assert_eq!(transport.acked("jobs"), [waiting]);
     }
 }
