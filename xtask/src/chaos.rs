@@ -1529,17 +1529,48 @@ fn target_failures(
     }
 }
 
+/// The most the worker's resident memory may grow while it handles the
+/// second half of the memory scenario's messages. The allocator's steps
+/// up to its high-water mark stay well below it (at most 0.3 MiB in three
+/// runs at `ee5884f` and after); a leak of 21 bytes a message over
+/// 100,000 messages crosses it.
+const SECOND_HALF_GROWTH_LIMIT_KIB: u64 = 2 * 1024;
+
+/// VmRSS in KiB at the first sample taken once `handled` messages were
+/// handled; `fallback` when no sample was.
+fn rss_once_handled(samples: &[(f64, u64, u64)], handled: u64, fallback: u64) -> u64 {
+    samples
+        .iter()
+        .find(|(_, so_far, _)| *so_far >= handled)
+        .map_or(fallback, |sample| sample.2)
+}
+
+/// A failure when resident memory grew by more than
+/// [`SECOND_HALF_GROWTH_LIMIT_KIB`] from the first sample at half of
+/// `produced` handled to `end`.
+fn second_half_growth_failure(
+    samples: &[(f64, u64, u64)],
+    produced: u64,
+    end: u64,
+) -> Option<String> {
+    let half = rss_once_handled(samples, produced / 2, end);
+    let growth = end.saturating_sub(half);
+    (growth > SECOND_HALF_GROWTH_LIMIT_KIB).then(|| {
+        format!(
+            "resident memory grew by {:.1} MiB over the second half of the messages \
+             (target: at most {:.1} MiB): a leak?",
+            growth as f64 / 1024.0,
+            SECOND_HALF_GROWTH_LIMIT_KIB as f64 / 1024.0
+        )
+    })
+}
+
 fn memory_notes(memory: &Memory, end: Option<u64>, report: &mut Report) {
     let Some(&(_, _, first)) = memory.samples.first() else {
-        report.notes.push("no memory samples".into());
+        report.failures.push("no memory samples".into());
         return;
     };
-    let warm_at = report.produced / 10;
-    let warm = memory
-        .samples
-        .iter()
-        .find(|(_, handled, _)| *handled >= warm_at)
-        .map_or(first, |s| s.2);
+    let warm = rss_once_handled(&memory.samples, report.produced / 10, first);
     let peak = memory.samples.iter().map(|s| s.2).max().unwrap_or(first);
     let end = end.or(memory.samples.last().map(|s| s.2)).unwrap_or(first);
     let mib = |kib: u64| kib as f64 / 1024.0;
@@ -1563,6 +1594,11 @@ fn memory_notes(memory: &Memory, end: Option<u64>, report: &mut Report) {
     report
         .notes
         .push(format!("RSS curve (time:handled:MiB):{curve}"));
+    report.failures.extend(second_half_growth_failure(
+        &memory.samples,
+        report.produced,
+        end,
+    ));
 }
 
 /// `msgBacklog` of `subscription` in a topic's stats JSON.
@@ -1629,6 +1665,38 @@ mod tests {
         assert_eq!(subscription_backlog(stats, "chaos-sub"), Some(5));
         assert_eq!(subscription_backlog(stats, "other"), Some(7));
         assert_eq!(subscription_backlog(stats, "missing"), None);
+    }
+
+    #[test]
+    fn memory_that_grows_over_the_second_half_fails_the_memory_scenario() {
+        const MIB: u64 = 1024;
+        // (seconds, handled, KiB): warm-up steps, then level.
+        let level = [
+            (0.0, 0, 12 * MIB),
+            (1.0, 20_000, 14 * MIB),
+            (2.0, 100_000, 15 * MIB),
+            (3.0, 150_000, 15 * MIB + 300),
+        ];
+        assert_eq!(rss_once_handled(&level, 100_000, 0), 15 * MIB);
+        assert_eq!(rss_once_handled(&level, 250_000, 7), 7);
+        assert_eq!(
+            second_half_growth_failure(&level, 200_000, 15 * MIB + 300),
+            None
+        );
+        // The same start, then 3 MiB more by the end: a leak.
+        let failure = second_half_growth_failure(&level, 200_000, 18 * MIB)
+            .expect("3 MiB over the second half fails");
+        assert!(failure.contains("3.0 MiB"), "{failure}");
+        // Growth before the half does not count.
+        let early = [
+            (0.0, 0, 12 * MIB),
+            (1.0, 50_000, 18 * MIB),
+            (2.0, 100_000, 18 * MIB),
+        ];
+        assert_eq!(
+            second_half_growth_failure(&early, 200_000, 18 * MIB + 500),
+            None
+        );
     }
 
     #[test]
