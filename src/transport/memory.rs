@@ -5,7 +5,8 @@
 //! redelivery count raised;
 //! every publish, ack and nack is logged so that tests can assert on them
 //! (compactly: a log entry names the topic by index and the message id by
-//! its parts, so logging an ack clones nothing).
+//! its parts, so logging an ack clones nothing), until a long run clears
+//! the log.
 //! Failures can be injected (a subscribe, producer creation or close that
 //! fails, a consumer stream that ends). Receiving, acking and nacking a
 //! message with an empty payload allocates nothing in steady state, which
