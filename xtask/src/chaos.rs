@@ -1536,6 +1536,11 @@ fn target_failures(
 /// 100,000 messages crosses it.
 const SECOND_HALF_GROWTH_LIMIT_KIB: u64 = 2 * 1024;
 
+/// KiB in MiB, as the memory notes and failures print them.
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
 /// VmRSS in KiB at the first sample taken once `handled` messages were
 /// handled; `fallback` when no sample was.
 fn rss_once_handled(samples: &[(f64, u64, u64)], handled: u64, fallback: u64) -> u64 {
@@ -1547,7 +1552,7 @@ fn rss_once_handled(samples: &[(f64, u64, u64)], handled: u64, fallback: u64) ->
 
 /// A failure when resident memory grew by more than
 /// [`SECOND_HALF_GROWTH_LIMIT_KIB`] from the first sample at half of
-/// `produced` handled to `end`.
+/// `produced` handled to `end` (none when no sample reached the half).
 fn second_half_growth_failure(
     samples: &[(f64, u64, u64)],
     produced: u64,
@@ -1559,8 +1564,8 @@ fn second_half_growth_failure(
         format!(
             "resident memory grew by {:.1} MiB over the second half of the messages \
              (target: at most {:.1} MiB): a leak?",
-            growth as f64 / 1024.0,
-            SECOND_HALF_GROWTH_LIMIT_KIB as f64 / 1024.0
+            mib(growth),
+            mib(SECOND_HALF_GROWTH_LIMIT_KIB)
         )
     })
 }
@@ -1573,7 +1578,6 @@ fn memory_notes(memory: &Memory, end: Option<u64>, report: &mut Report) {
     let warm = rss_once_handled(&memory.samples, report.produced / 10, first);
     let peak = memory.samples.iter().map(|s| s.2).max().unwrap_or(first);
     let end = end.or(memory.samples.last().map(|s| s.2)).unwrap_or(first);
-    let mib = |kib: u64| kib as f64 / 1024.0;
     report.notes.push(format!(
         "worker resident memory (VmRSS, {} samples 1 s apart): {:.1} MiB after subscribing, \
          {:.1} MiB at 10% handled, peak {:.1} MiB, {:.1} MiB at the end; growth from 10% to \
