@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::convert::Infallible;
 use std::rc::Rc;
 use std::time::Duration;
@@ -14,7 +14,7 @@ use common::{
     admin_request, base_topic, client, close_and_join, consumers_per_partition,
     create_partitioned_topic, delete_topic, fresh_topic, keyed_messages, payload_number,
     pulsar_url, run_local, start, unique_name, unique_topic, wait_for_empty_backlog,
-    wait_for_stats, wait_until, TopicKind,
+    wait_for_stats, wait_until, HeldBacklog, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Error, Message, SubType, SubscribeOptions};
 
@@ -297,152 +297,20 @@ fn a_topic_terminated_while_its_messages_are_held_acks_each_once() {
 #[test]
 fn acks_lost_while_a_consumer_is_refused_are_recognised_when_it_is_back() {
     run_local(Duration::from_secs(240), async {
-        for (kind, subscription_type, other_type) in [
-            (TopicKind::Plain, SubType::Exclusive, "Shared"),
-            (TopicKind::Plain, SubType::Shared, "Exclusive"),
-            (TopicKind::Partitioned(2), SubType::Exclusive, "Shared"),
-            (TopicKind::Partitioned(2), SubType::Shared, "Exclusive"),
-        ] {
-            let case = format!("{kind:?}, {subscription_type:?}");
-            let held = HeldBacklog::start("refused", kind, subscription_type).await;
-            let HeldBacklog {
-                topic,
-                subscription,
-                dispatcher,
-                ..
-            } = &held;
-            let allow = |types: Vec<&'static str>| {
-                let topic = topic.clone();
-                tokio::task::spawn_blocking(move || allow_subscription_types(&topic, &types))
-            };
-            allow(vec![other_type]).await.unwrap();
-            // Time for the policy to reach the topic's broker.
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            {
-                let topic = topic.clone();
-                tokio::task::spawn_blocking(move || common::unload(&topic, kind))
-                    .await
-                    .unwrap();
-            }
-            // Time for the refused subscribe to reach the crate's consumers.
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            held.release();
-            // The queued messages are handled, then the crate's error says
-            // the consumer is gone.
-            wait_until(
-                &format!("{case}: the refusal"),
-                Duration::from_secs(20),
-                || dispatcher.stats().total().receive_errors > 0,
-            )
-            .await;
-            allow(vec!["Exclusive", "Shared", "Failover", "Key_Shared"])
+        let unload = async |topic: String, kind| {
+            tokio::task::spawn_blocking(move || common::unload(&topic, kind))
                 .await
                 .unwrap();
-            let stats = wait_for_stats(topic, subscription, Duration::from_secs(30), |stats| {
-                stats.msg_backlog == 0
-            })
-            .await;
-            assert_eq!(stats.msg_backlog, 0, "{case}: every message acked");
-            // Time for a message whose ack was lost to come back.
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let totals = dispatcher.stats().total();
-            held.close_each_handled_once(&case).await;
+            // Time for the refused subscribe to reach the crate's consumers.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        };
+        for (case, totals) in HeldBacklog::through_a_refusal("refused", unload).await {
             assert!(
                 totals.receive_errors > 0 && totals.redelivered_after_ack > 0,
                 "{case}: the refusal reached the dispatcher and lost acks: {totals:?}"
             );
         }
     });
-}
-
-/// Ten messages on a fresh topic, delivered to a dispatcher with one permit
-/// and a consumer queue with room for them all: the first is held in its
-/// handler until [`release`](Self::release), the second waits in the
-/// subscription's slot, the rest in the consumer's queue.
-struct HeldBacklog {
-    topic: String,
-    subscription: String,
-    dispatcher: Rc<Dispatcher>,
-    run: tokio::task::JoinHandle<Result<(), Error>>,
-    /// The payload number of each message handled, in order.
-    handled: Rc<RefCell<Vec<usize>>>,
-    released: Rc<Cell<bool>>,
-}
-
-impl HeldBacklog {
-    /// Subscribes with `subscription_type` to a fresh `kind` topic named
-    /// after `prefix`, runs, publishes, and returns once the first message
-    /// is held.
-    async fn start(prefix: &str, kind: TopicKind, subscription_type: SubType) -> Self {
-        let topic = fresh_topic(prefix, kind);
-        let subscription = unique_name("sub");
-        let dispatcher = common::dispatcher_with(Dispatcher::builder().concurrency(1)).await;
-        let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
-        let released = Rc::new(Cell::new(false));
-        let handler = {
-            let (handled, released) = (handled.clone(), released.clone());
-            async move |message: &Message| {
-                handled.borrow_mut().push(payload_number(message));
-                while !released.get() {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                Ok::<_, Infallible>(())
-            }
-        };
-        let options = SubscribeOptions::new()
-            .subscription(&subscription)
-            .subscription_type(subscription_type)
-            .receiver_queue_size(100);
-        dispatcher
-            .subscribe(&topic, handler, options)
-            .await
-            .unwrap();
-        let run = start(&dispatcher);
-        common::publish(&topic, keyed_messages(10, 3)).await;
-        wait_until(
-            &format!("{topic}: the first message"),
-            Duration::from_secs(20),
-            || handled.borrow().len() == 1,
-        )
-        .await;
-        HeldBacklog {
-            topic,
-            subscription,
-            dispatcher,
-            run,
-            handled,
-            released,
-        }
-    }
-
-    /// Lets the held handler, and every one after it, finish.
-    fn release(&self) {
-        self.released.set(true);
-    }
-
-    /// Closes the dispatcher and asserts each of the ten messages was
-    /// handled exactly once.
-    async fn close_each_handled_once(self, case: &str) {
-        close_and_join(&self.dispatcher, self.run).await;
-        let mut handled = self.handled.take();
-        handled.sort_unstable();
-        assert_eq!(handled, (0..10).collect::<Vec<_>>(), "{case}: each once");
-    }
-}
-
-/// Allows only `types` of subscription on `topic` (a topic policy), as an
-/// operator does through the admin API; the broker refuses the others to
-/// consumers that subscribe from then on. Blocks; call it from
-/// `spawn_blocking`.
-fn allow_subscription_types(topic: &str, types: &[&str]) {
-    let name = topic.trim_start_matches("persistent://");
-    let path = format!("/admin/v2/persistent/{name}/subscriptionTypesEnabled");
-    let body = serde_json::to_string(types).unwrap();
-    let (status, answer) = admin_request("POST", &path, Some(&body)).unwrap();
-    assert!(
-        (200..300).contains(&status),
-        "POST {path}: HTTP {status}: {answer}"
-    );
 }
 
 /// Terminates `topic` (every partition of a partitioned one) through the

@@ -11,7 +11,8 @@
 //! ends subscribes again, retrying until it succeeds, and reports a receive
 //! error meanwhile, so the dispatcher's `receive_failure_limit` bounds how
 //! long that may take. Settlements made in between are kept and sent on the
-//! new consumer.
+//! new consumer, and so are those the crate refuses once it has given up,
+//! while the stream still hands out what it had queued.
 //!
 //! On a Failover subscription each partition also checks, while it is
 //! idle, that the broker has not stopped delivering its backlog (see
@@ -28,6 +29,7 @@ use std::time::Duration;
 use futures::future::LocalBoxFuture;
 use futures::{FutureExt, StreamExt};
 use pulsar::consumer::DeadLetterPolicy;
+use pulsar::error::ConsumerError;
 use pulsar::proto::MessageIdData;
 use pulsar::{Pulsar, TokioExecutor};
 use tracing::{debug, info, warn};
@@ -403,20 +405,30 @@ impl Partition {
         }
     }
 
-    /// Its last outage, if its stream ever ended: acks sent shortly before
-    /// it may have been lost with the connection, and acks made during it
-    /// were held until it was subscribed again.
+    /// Its last outage, if its consumer ever stopped: acks sent shortly
+    /// before may have been lost with the connection, and acks made during
+    /// it were held until it was subscribed again.
     pub(super) fn outage(&self) -> Option<Outage> {
         self.outage
     }
 
-    fn resubscribe(&mut self, after: Duration) {
-        if self.resubscribing_since().is_none() {
+    /// Notes that the consumer has stopped (its engine is gone, or its
+    /// stream ended), unless an outage is already under way: one outage
+    /// lasts from the first sign until the partition is subscribed again.
+    /// Returns whether this began one.
+    fn begin_outage(&mut self) -> bool {
+        let under_way = self.outage.is_some_and(|outage| outage.reopened.is_none());
+        if !under_way {
             self.outage = Some(Outage {
                 ended: tokio::time::Instant::now(),
                 reopened: None,
             });
         }
+        !under_way
+    }
+
+    fn resubscribe(&mut self, after: Duration) {
+        self.begin_outage();
         if let Some(stall) = &mut self.stall {
             // The new consumer is given everything unacknowledged again.
             stall.rewinding();
@@ -429,7 +441,8 @@ impl Partition {
     }
 
     /// Acks (or nacks) an entry; kept for the new consumer while the
-    /// partition is being subscribed again.
+    /// partition is being subscribed again, or once its consumer's engine
+    /// has stopped.
     pub(super) fn settle(&mut self, id: MessageIdData, ack: bool) -> Result<(), TransportError> {
         if let (false, Some(stall)) = (ack, &mut self.stall) {
             stall.rewinding();
@@ -440,13 +453,31 @@ impl Partition {
         };
         // The crate's ack and nack only queue a command on an unbounded
         // channel to the consumer's engine: they complete on the first poll.
+        // The id is cloned to be kept if the engine has stopped (cheap:
+        // only an id with an ack set or a chunk's first id allocates).
         let queued = if ack {
-            consumer.ack_with_id(&self.topic, id).now_or_never()
+            consumer.ack_with_id(&self.topic, id.clone()).now_or_never()
         } else {
-            consumer.nack_with_id(&self.topic, id).now_or_never()
+            consumer
+                .nack_with_id(&self.topic, id.clone())
+                .now_or_never()
         };
         match queued {
-            Some(result) => Ok(result?),
+            Some(Ok(())) => Ok(()),
+            // The consumer's engine has stopped (the crate gave up on its
+            // connection): its stream ends once what it queued has been
+            // received, and the partition is then subscribed again. Until
+            // that, settlements wait for the new consumer, as they do while
+            // it is being subscribed; sent to this one, they would be lost
+            // and their messages handled again.
+            Some(Err(ConsumerError::Closed)) => {
+                if self.begin_outage() {
+                    warn!(topic = %self.topic, "the consumer's engine has stopped; settlements wait for its replacement");
+                }
+                self.pending.push((id, ack));
+                Ok(())
+            }
+            Some(Err(error)) => Err(error.into()),
             None => Err(TransportError::Pulsar(pulsar::Error::Custom(
                 "the consumer's engine did not take the settlement at once".into(),
             ))),

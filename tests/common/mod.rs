@@ -9,14 +9,19 @@
 //! `allow(dead_code)` on the module's items.
 #![allow(dead_code)]
 
+use std::cell::{Cell, RefCell};
+use std::convert::Infallible;
 use std::future::Future;
 use std::io::Write;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use pulsar_dispatcher::{Dispatcher, Error, Message, SubType, SubscribeOptions};
 
 pub const DEFAULT_PULSAR_URL: &str = "pulsar://127.0.0.1:6650";
 pub const DEFAULT_WEB_URL: &str = "http://127.0.0.1:8080";
@@ -797,4 +802,160 @@ pub async fn shared_consumer(
         .build()
         .await
         .unwrap_or_else(|e| panic!("subscribing {subscription} to {topic}: {e}"))
+}
+
+/// Ten messages on a fresh topic, delivered to a dispatcher with one permit
+/// and a consumer queue with room for them all: the first is held in its
+/// handler until [`release`](Self::release), the second waits in the
+/// subscription's slot, the rest in the consumer's queue. Each handler
+/// takes at least 20 ms, so that no two acks are made in one turn of the
+/// runtime (in which the `pulsar` crate's tasks could not run between them).
+pub struct HeldBacklog {
+    pub topic: String,
+    pub subscription: String,
+    pub dispatcher: Rc<Dispatcher>,
+    run: tokio::task::JoinHandle<Result<(), Error>>,
+    /// The payload number of each message handled, in order.
+    pub handled: Rc<RefCell<Vec<usize>>>,
+    released: Rc<Cell<bool>>,
+}
+
+impl HeldBacklog {
+    /// Subscribes with `subscription_type` to a fresh `kind` topic named
+    /// after `prefix`, runs, publishes, and returns once the first message
+    /// is held.
+    pub async fn start(prefix: &str, kind: TopicKind, subscription_type: SubType) -> Self {
+        let topic = fresh_topic(prefix, kind);
+        let subscription = unique_name("sub");
+        let dispatcher = dispatcher_with(Dispatcher::builder().concurrency(1)).await;
+        let handled: Rc<RefCell<Vec<usize>>> = Rc::default();
+        let released = Rc::new(Cell::new(false));
+        let handler = {
+            let (handled, released) = (handled.clone(), released.clone());
+            async move |message: &Message| {
+                handled.borrow_mut().push(payload_number(message));
+                loop {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    if released.get() {
+                        break;
+                    }
+                }
+                Ok::<_, Infallible>(())
+            }
+        };
+        let options = SubscribeOptions::new()
+            .subscription(&subscription)
+            .subscription_type(subscription_type)
+            .receiver_queue_size(100);
+        dispatcher
+            .subscribe(&topic, handler, options)
+            .await
+            .unwrap();
+        let run = start(&dispatcher);
+        publish(&topic, keyed_messages(10, 3)).await;
+        wait_until(
+            &format!("{topic}: the first message"),
+            Duration::from_secs(20),
+            || handled.borrow().len() == 1,
+        )
+        .await;
+        HeldBacklog {
+            topic,
+            subscription,
+            dispatcher,
+            run,
+            handled,
+            released,
+        }
+    }
+
+    /// The consumers of a held backlog taken away and refused, on plain
+    /// and partitioned topics, Exclusive and Shared: for each, holds a
+    /// backlog (see [`start`](Self::start)), allows only another
+    /// subscription type on the topic, and runs `take_away(topic, kind)`,
+    /// which is to leave the `pulsar` crate's consumers trying to subscribe
+    /// again and refused. Then lets the handlers go, waits until the
+    /// refusal reaches the dispatcher (a receive error), allows every type
+    /// again, waits for the backlog to empty and for a message whose ack
+    /// was lost to come back, and asserts each message was handled once.
+    /// Returns each case's name and the dispatcher's totals at the end.
+    pub async fn through_a_refusal(
+        prefix: &str,
+        take_away: impl AsyncFn(String, TopicKind),
+    ) -> Vec<(String, pulsar_dispatcher::SubscriptionStats)> {
+        let mut totals = Vec::new();
+        for (kind, subscription_type, other_type) in [
+            (TopicKind::Plain, SubType::Exclusive, "Shared"),
+            (TopicKind::Plain, SubType::Shared, "Exclusive"),
+            (TopicKind::Partitioned(2), SubType::Exclusive, "Shared"),
+            (TopicKind::Partitioned(2), SubType::Shared, "Exclusive"),
+        ] {
+            let case = format!("{kind:?}, {subscription_type:?}");
+            let held = HeldBacklog::start(prefix, kind, subscription_type).await;
+            let HeldBacklog {
+                topic,
+                subscription,
+                dispatcher,
+                ..
+            } = &held;
+            let allow = |types: Vec<&'static str>| {
+                let topic = topic.clone();
+                tokio::task::spawn_blocking(move || allow_subscription_types(&topic, &types))
+            };
+            allow(vec![other_type]).await.unwrap();
+            // Time for the policy to reach the topic's broker.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            take_away(topic.clone(), kind).await;
+            held.release();
+            wait_until(
+                &format!("{case}: the refusal"),
+                Duration::from_secs(20),
+                || dispatcher.stats().total().receive_errors > 0,
+            )
+            .await;
+            allow(vec!["Exclusive", "Shared", "Failover", "Key_Shared"])
+                .await
+                .unwrap();
+            let stats = wait_for_stats(topic, subscription, Duration::from_secs(30), |stats| {
+                stats.msg_backlog == 0
+            })
+            .await;
+            assert_eq!(stats.msg_backlog, 0, "{case}: every message acked");
+            // Time for a message whose ack was lost to come back.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let total = dispatcher.stats().total();
+            held.close_each_handled_once(&case).await;
+            totals.push((case, total));
+        }
+        totals
+    }
+
+    /// Lets the held handler, and every one after it, finish.
+    pub fn release(&self) {
+        self.released.set(true);
+    }
+
+    /// Closes the dispatcher and asserts each of the ten messages was
+    /// handled exactly once.
+    pub async fn close_each_handled_once(self, case: &str) {
+        close_and_join(&self.dispatcher, self.run).await;
+        let mut handled = self.handled.take();
+        handled.sort_unstable();
+        assert_eq!(handled, (0..10).collect::<Vec<_>>(), "{case}: each once");
+    }
+}
+
+/// Allows only `types` of subscription on `topic` (a topic policy), as an
+/// operator does through the admin API; the broker refuses the others to
+/// consumers that subscribe from then on. Blocks; call it from
+/// `spawn_blocking`.
+pub fn allow_subscription_types(topic: &str, types: &[&str]) {
+    let name = topic.trim_start_matches("persistent://");
+    let path = format!("/admin/v2/persistent/{name}/subscriptionTypesEnabled");
+    let body = serde_json::to_string(types).unwrap();
+    let (status, answer) = admin_request("POST", &path, Some(&body)).unwrap();
+    assert!(
+        (200..300).contains(&status),
+        "POST {path}: HTTP {status}: {answer}"
+    );
 }
