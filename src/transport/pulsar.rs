@@ -50,6 +50,7 @@ use super::sockets::BrokerSockets;
 use super::{
     Consumer, ConsumerSpec, OutgoingMessage, Producer, Repairs, Transport, TransportError,
 };
+use crate::log_limit::LogLimit;
 use crate::message::{Message, MessageId, Metadata};
 use crate::topic::{is_non_persistent, partition_name};
 
@@ -165,6 +166,7 @@ impl Transport for PulsarTransport {
             acks_each_member,
             persistent,
             brokers: self.brokers.clone(),
+            replays_log: LogLimit::default(),
         })
     }
 
@@ -231,6 +233,9 @@ pub struct PulsarConsumer {
     /// no entries there, so nothing is held, remembered or dropped by id.
     persistent: bool,
     brokers: Rc<BrokerSockets>,
+    /// Replays are logged at most one an interval: a reset cursor can
+    /// replay a whole backlog.
+    replays_log: LogLimit,
 }
 
 /// A message received whole, and the other chunks it was put together
@@ -399,7 +404,12 @@ impl PulsarConsumer {
         ) {
             Redelivery::NotAcked => return false,
             Redelivery::Replay => {
-                tracing::debug!(message_id = %id, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");
+                if let Some(held_back) = self.replays_log.admit(tokio::time::Instant::now()) {
+                    // What the decision went by, should it be wrong: the
+                    // partition's outage and the last connection lost.
+                    let (outage, connection_loss) = (outage(entry_of(id)), brokers.last_loss());
+                    tracing::info!(message_id = %id, ?outage, ?connection_loss, held_back, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");
+                }
                 return false;
             }
             Redelivery::AckLost(resend) => resend,

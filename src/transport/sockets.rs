@@ -120,10 +120,13 @@ impl BrokerSockets {
         };
         let made = !found.is_subset(&open);
         self.last_loss.set(loss.map(|loss| match loss.reconnected {
-            None if made => ConnectionLoss {
-                reconnected: Some(now),
-                ..loss
-            },
+            None if made => {
+                tracing::debug!("a broker connection was made after the loss");
+                ConnectionLoss {
+                    reconnected: Some(now),
+                    ..loss
+                }
+            }
             _ => loss,
         }));
         *open = found;
