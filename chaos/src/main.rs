@@ -72,8 +72,11 @@ fn main() -> ExitCode {
     };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,pulsar_dispatcher=info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                // The socket watch's rare lines date connection losses,
+                // which explain a lost ack recognised, or not.
+                "warn,pulsar_dispatcher=info,pulsar_dispatcher::transport::sockets=debug".into()
+            }),
         )
         .with_writer(std::io::stderr)
         .with_ansi(false)

@@ -404,10 +404,17 @@ impl PulsarConsumer {
         ) {
             Redelivery::NotAcked => return false,
             Redelivery::Replay => {
-                if let Some(held_back) = self.replays_log.admit(tokio::time::Instant::now()) {
-                    // What the decision went by, should it be wrong: the
-                    // partition's outage and the last connection lost.
-                    let (outage, connection_loss) = (outage(entry_of(id)), brokers.last_loss());
+                let now = Instant::now();
+                if let Some(held_back) = self.replays_log.admit(now) {
+                    // What the decision went by, should it be wrong, in
+                    // times before now: the partition's outage (ended,
+                    // reopened) and the last broker connection lost (last
+                    // seen open, new one seen).
+                    let ago = |at: Instant| now.saturating_duration_since(at);
+                    let outage = outage(entry_of(id)).map(|o| (ago(o.ended), o.reopened.map(ago)));
+                    let connection_loss = brokers
+                        .last_loss()
+                        .map(|loss| (ago(loss.last_seen_open), loss.reconnected.map(ago)));
                     tracing::info!(message_id = %id, ?outage, ?connection_loss, held_back, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");
                 }
                 return false;
