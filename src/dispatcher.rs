@@ -74,9 +74,8 @@ impl Default for DispatcherBuilder {
 
 impl DispatcherBuilder {
     /// The most handlers that may run at once, across all subscriptions
-    /// (20 by default; zero and more than
-    /// [`MAX_CONCURRENCY`](crate::MAX_CONCURRENCY) are refused when the
-    /// dispatcher is built).
+    /// (20 by default; zero and more than [`MAX_CONCURRENCY`] are refused
+    /// when the dispatcher is built).
     pub fn concurrency(mut self, limit: usize) -> Self {
         self.concurrency = limit;
         self

@@ -268,10 +268,10 @@ impl SubscribeOptions {
 
     /// With [`Ordering::Key`]: how many messages the subscription may hold
     /// while their keys are busy (16 by default, at least 1, at most
-    /// [`MAX_KEY_BUFFER`](crate::MAX_KEY_BUFFER)). A message
-    /// whose key is busy waits in this buffer while other keys run; once it
-    /// is full, no more messages are taken from the broker until a key is
-    /// free, so a busy key never makes the dispatcher pull the backlog.
+    /// [`MAX_KEY_BUFFER`]). A message whose key is busy waits in this
+    /// buffer while other keys run; once it is full, no more messages are
+    /// taken from the broker until a key is free, so a busy key never makes
+    /// the dispatcher pull the backlog.
     pub fn key_buffer(mut self, messages: usize) -> Self {
         self.key_buffer = Some(messages);
         self
@@ -281,8 +281,7 @@ impl SubscribeOptions {
     /// the producers the subscription publishes with (30 s by default).
     /// The broker answers a subscription that another consumer holds
     /// exclusively with "consumer busy", which the `pulsar` crate retries;
-    /// past this limit, `subscribe` fails with
-    /// [`Error::SubscribeTimeout`](crate::Error::SubscribeTimeout).
+    /// past this limit, `subscribe` fails with [`Error::SubscribeTimeout`].
     pub fn subscribe_timeout(mut self, limit: Duration) -> Self {
         self.subscribe_timeout = limit;
         self
@@ -290,9 +289,9 @@ impl SubscribeOptions {
 
     /// How long the consumer may keep returning errors instead of messages
     /// before the dispatcher stops and `run()` returns
-    /// [`Error::ConsumerFailing`](crate::Error::ConsumerFailing) (60 s by
-    /// default). Until then, receiving is retried with a growing delay
-    /// (10 ms doubling to 5 s) and the errors are logged at most every 10 s.
+    /// [`Error::ConsumerFailing`] (60 s by default). Until then, receiving
+    /// is retried with a growing delay (10 ms doubling to 5 s) and the
+    /// errors are logged at most every 10 s.
     pub fn receive_failure_limit(mut self, limit: Duration) -> Self {
         self.receive_failure_limit = limit;
         self

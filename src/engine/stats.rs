@@ -4,7 +4,7 @@
 //!
 //! Each counter is a `Cell` bumped where the event happens (a plain add on
 //! one thread); reading them copies them into plain structs. The counters
-//! are listed once, in [`counters!`], which makes the live counters, their
+//! are listed once, in `counters!`, which makes the live counters, their
 //! fields in [`SubscriptionStats`], their sum, and their metric names.
 
 use std::cell::Cell;

@@ -488,9 +488,10 @@ impl<T: Transport, W: Future<Output = ()>> Future for WorkerTask<T, W> {
 /// One dispatched message: its permit, its storage and its settlement.
 ///
 /// The guard settles and releases however the message's work ends: through
-/// [`finish`](Job::finish), or by being dropped half-way (a worker's task
-/// dropped with its runtime), in which case the message is nacked and the
-/// engine woken to dispatch in the worker's place.
+/// [`succeed`](Job::succeed) or [`conclude`](Job::conclude), or by being
+/// dropped half-way (a worker's task dropped with its runtime), in which
+/// case the message is nacked and the engine woken to dispatch in the
+/// worker's place.
 pub(crate) struct Job<T: Transport> {
     engine: Rc<Engine<T>>,
     subscription: Rc<Subscription<T>>,

@@ -190,8 +190,8 @@ pub(super) fn entry_of_chunk(id: &MessageIdData) -> EntryKey {
 /// remembered ack that may have been lost is sent again then, before the
 /// broker hands those entries to another consumer of the subscription.
 ///
-/// The connection was lost when the partition's stream last ended, if that
-/// was after the ack. The crate also reconnects by itself, after a topic
+/// The connection was lost when the partition's consumer was last found
+/// stopped (see [`Outage`]), if that was after the ack. The crate also reconnects by itself, after a topic
 /// unload or a broker restart, and tells nobody: a broker connection found
 /// gone and made again among the process's sockets (a [`ConnectionLoss`])
 /// covers the acks sent at most the window before the lost connection was
@@ -218,9 +218,10 @@ pub(super) struct RecentAcks {
     pub(super) recognised: u64,
 }
 
-/// A partition's last outage: when its stream ended (the crate gave up on
-/// its connection), and when it was subscribed again (`None` while it is
-/// still being).
+/// A partition's last outage: when its consumer was found stopped (the
+/// crate gave up on its connection: it refused a settlement, or its stream
+/// ended), and when it was subscribed again (`None` while it is still
+/// being).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Outage {
     pub(super) ended: Instant,

@@ -28,8 +28,9 @@ commands:
                    suite `chaos --quick`), stop the broker it started.
                    With ARGS, runs `cargo test ARGS` instead of all three
                    (e.g. `cargo xtask test --test smoke_pulsar`).
-  lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings, no
-                   import cycle among the files of src/
+  lint             cargo fmt --check, clippy -D warnings, rustdoc -D warnings
+                   (public and private items), no import cycle among the
+                   files of src/
   demo [simple|priority|observability]
                    start a broker if needed and run `cargo run --example demo`
                    (or `simple_dispatcher`, `priority_dispatcher` or `observability`) with DEMO_MESSAGES
@@ -431,7 +432,14 @@ fn cmd_lint(paths: &Paths) -> Result<(), String> {
     let mut doc = cargo();
     doc.args(["doc", "--no-deps", "--workspace"])
         .env("RUSTDOCFLAGS", "-D warnings");
-    for cmd in [&mut fmt, &mut clippy, &mut doc] {
+    // The private items' docs too: they are the map a newcomer reads the
+    // engine by, and a broken link there is a stale one.
+    let mut private_doc = cargo();
+    private_doc
+        .args(["doc", "--no-deps", "--document-private-items"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    // Public last, so that target/doc is left with the docs users see.
+    for cmd in [&mut fmt, &mut clippy, &mut private_doc, &mut doc] {
         cmd.current_dir(&paths.root);
         let what = describe(cmd);
         info(&format!("running {what}"));
