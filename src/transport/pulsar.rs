@@ -400,7 +400,7 @@ impl PulsarConsumer {
             entry_of(id),
             Instant::now(),
             outage,
-            || brokers.last_loss(),
+            || brokers.losses(),
         ) {
             Redelivery::NotAcked => return false,
             Redelivery::Replay => {
@@ -408,14 +408,16 @@ impl PulsarConsumer {
                 if let Some(held_back) = self.replays_log.admit(now) {
                     // What the decision went by, should it be wrong, in
                     // times before now: the partition's outage (ended,
-                    // reopened) and the last broker connection lost (last
+                    // reopened) and the broker connections lost lately (last
                     // seen open, new one seen).
                     let ago = |at: Instant| now.saturating_duration_since(at);
                     let outage = outage(entry_of(id)).map(|o| (ago(o.ended), o.reopened.map(ago)));
-                    let connection_loss = brokers
-                        .last_loss()
-                        .map(|loss| (ago(loss.last_seen_open), loss.reconnected.map(ago)));
-                    tracing::info!(message_id = %id, ?outage, ?connection_loss, held_back, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");
+                    let connection_losses: Vec<_> = brokers
+                        .losses()
+                        .iter()
+                        .map(|loss| (ago(loss.last_seen_open), loss.reconnected.map(ago)))
+                        .collect();
+                    tracing::info!(message_id = %id, ?outage, ?connection_losses, held_back, "the broker delivered again a message acked well before any connection was lost (a reset or seek of the subscription): handling it again");
                 }
                 return false;
             }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use pulsar::proto::MessageIdData;
 use tokio::time::Instant;
 
-use super::sockets::ConnectionLoss;
+use super::sockets::{ConnectionLoss, ConnectionLosses};
 use crate::hash::TrustedHashing;
 use crate::message::MessageId;
 
@@ -191,20 +191,21 @@ pub(super) fn entry_of_chunk(id: &MessageIdData) -> EntryKey {
 /// broker hands those entries to another consumer of the subscription.
 ///
 /// The connection was lost when the partition's consumer was last found
-/// stopped (see [`Outage`]), if that was after the ack. The crate also reconnects by itself, after a topic
-/// unload or a broker restart, and tells nobody: a broker connection found
-/// gone and made again among the process's sockets (a [`ConnectionLoss`])
-/// covers the acks sent at most the window before the lost connection was
-/// last seen open, or after, until the new one was seen, for the
-/// redeliveries taken within [`REDELIVERY_TAKEN_WITHIN`] after that. Otherwise the connection is taken
-/// to have been lost now, at the redelivery (an unload's reconnection is
-/// quick). An ack made while the partition was being subscribed again
-/// waited for the new consumer: it counts as sent when that came. An entry
-/// acked longer ago than that came back for another
-/// reason: someone reset the subscription's cursor, or the consumer sought
-/// back, to replay it. It is handled again and forgotten, so that its new
-/// settlement counts. Bounded by a count as well; what falls out can still
-/// come back as a duplicate.
+/// stopped (see [`Outage`]), if that was after the ack. The crate also
+/// reconnects by itself, after a topic unload or a broker restart, and
+/// tells nobody: a broker connection found gone and made again among the
+/// process's sockets (a [`ConnectionLoss`]; the last few are kept, and any
+/// of them may cover an ack) covers the acks sent at most the window before
+/// the lost connection was last seen open, or after, until the new one was
+/// seen, for the redeliveries taken within [`REDELIVERY_TAKEN_WITHIN`]
+/// after that. Otherwise the connection is taken to have been lost now, at
+/// the redelivery (an unload's reconnection is quick). An ack made while
+/// the partition was being subscribed again waited for the new consumer: it
+/// counts as sent when that came. An entry acked longer ago than that came
+/// back for another reason: someone reset the subscription's cursor, or the
+/// consumer sought back, to replay it. It is handled again and forgotten,
+/// so that its new settlement counts. Bounded by a count as well; what
+/// falls out can still come back as a duplicate.
 pub(super) struct RecentAcks {
     /// Entries in the order they were recorded, with the time recorded; an
     /// entry recorded again, or forgotten, leaves a stale element, told
@@ -285,19 +286,19 @@ impl RecentAcks {
     /// What the delivery of `entry` at `now` is (see [`Redelivery`]).
     /// `outage` tells the last outage of an entry's partition. A lost ack
     /// is counted; a replay is forgotten, so that its new settlement counts.
-    /// `connection_loss` tells the last broker connection lost, if any; it
+    /// `connection_losses` tells the broker connections lost lately; it
     /// is asked only when the rest does not show the ack lost.
     pub(super) fn redelivered(
         &mut self,
         entry: EntryKey,
         now: Instant,
         outage: impl Fn(EntryKey) -> Option<Outage>,
-        connection_loss: impl FnOnce() -> Option<ConnectionLoss>,
+        connection_losses: impl FnOnce() -> ConnectionLosses,
     ) -> Redelivery {
         let Some(&acked_at) = self.entries.get(&entry) else {
             return Redelivery::NotAcked;
         };
-        let connection_loss = LazyCell::new(connection_loss);
+        let connection_losses = LazyCell::new(connection_losses);
         let lost = |entry: EntryKey, acked_at: Instant| {
             let (lost_at, sent_at) = match outage(entry) {
                 // Sent shortly before the stream ended, however long ago.
@@ -309,7 +310,7 @@ impl RecentAcks {
                 _ => (now, acked_at),
             };
             lost_at.saturating_duration_since(sent_at) <= LOST_ACK_WINDOW
-                || connection_loss.is_some_and(|loss| loss.covers(acked_at, now))
+                || connection_losses.covers(acked_at, now)
         };
         if !lost(entry, acked_at) {
             self.entries.remove(&entry);
@@ -333,6 +334,15 @@ impl RecentAcks {
                 .map(|&(entry, _)| entry)
                 .collect(),
         )
+    }
+}
+
+impl ConnectionLosses {
+    /// Whether any of the losses covers an ack sent at `acked_at`, for an
+    /// entry taken from the consumer again at `now` (see
+    /// [`ConnectionLoss::covers`]).
+    fn covers(&self, acked_at: Instant, now: Instant) -> bool {
+        self.iter().any(|loss| loss.covers(acked_at, now))
     }
 }
 
@@ -530,8 +540,8 @@ mod tests {
     }
 
     /// No broker connection seen lost.
-    fn no_loss() -> Option<ConnectionLoss> {
-        None
+    fn no_loss() -> ConnectionLosses {
+        ConnectionLosses::default()
     }
 
     #[test]
@@ -726,7 +736,7 @@ mod tests {
             reconnected: Some(reconnected),
         };
         assert_eq!(
-            acks.redelivered((0, 9, 3), back, no_stream_end, || Some(loss)),
+            acks.redelivered((0, 9, 3), back, no_stream_end, || loss.into()),
             Redelivery::AckLost(vec![(0, 9, 2), (0, 9, 3)]),
             "acked after the connection was last seen open, back 38 s after \
              the ack, at once after the reconnection; the bulk resend takes \
@@ -734,7 +744,7 @@ mod tests {
              before"
         );
         assert_eq!(
-            acks.redelivered((0, 9, 1), back, no_stream_end, || Some(loss)),
+            acks.redelivered((0, 9, 1), back, no_stream_end, || loss.into()),
             Redelivery::Replay,
             "acked longer than the window before the connection was last seen"
         );
@@ -744,19 +754,55 @@ mod tests {
                 (0, 9, 4),
                 reconnected + REDELIVERY_TAKEN_WITHIN,
                 no_stream_end,
-                || Some(loss)
+                || loss.into()
             ),
             Redelivery::AckLost(vec![(0, 9, 2), (0, 9, 3), (0, 9, 4)]),
             "taken from the consumer long after the reconnection (its \
              subscription's priority was not served), and a bulk re-send due"
         );
         assert_eq!(
-            acks.redelivered((0, 9, 3), back, no_stream_end, || Some(ConnectionLoss {
-                reconnected: None,
-                ..loss
-            })),
+            acks.redelivered((0, 9, 3), back, no_stream_end, || {
+                ConnectionLoss {
+                    reconnected: None,
+                    ..loss
+                }
+                .into()
+            }),
             Redelivery::Replay,
             "a connection lost and none made since explains no delivery"
+        );
+    }
+
+    /// After a broker restart the crate can close one of the connections
+    /// it made a while later: a loss of its own, which must not hide the
+    /// restart's, whose lost acks are still coming back.
+    #[test]
+    fn an_ack_lost_in_an_outage_is_recognised_after_a_later_loss() {
+        let seen_open = Instant::now();
+        let acked = seen_open + Duration::from_secs(1);
+        let reconnected = seen_open + Duration::from_secs(12);
+        let outage = ConnectionLoss {
+            last_seen_open: seen_open,
+            reconnected: Some(reconnected),
+        };
+        let replaced = ConnectionLoss {
+            last_seen_open: reconnected,
+            reconnected: Some(reconnected + Duration::from_secs(15)),
+        };
+        let back = reconnected + Duration::from_secs(16);
+        let mut acks = RecentAcks::new(16);
+        acks.record((0, 9, 1), acked);
+        acks.record((0, 9, 2), acked);
+        assert_eq!(
+            acks.redelivered((0, 9, 1), back, no_stream_end, || replaced.into()),
+            Redelivery::Replay,
+            "the later loss alone does not cover an ack made 11 s before it"
+        );
+        let both: ConnectionLosses = [outage, replaced].into_iter().collect();
+        assert_eq!(
+            acks.redelivered((0, 9, 2), back, no_stream_end, || both),
+            Redelivery::AckLost(vec![(0, 9, 2)]),
+            "the outage, kept, covers it"
         );
     }
 
@@ -765,10 +811,11 @@ mod tests {
         let seen_open = Instant::now();
         let reconnected = seen_open + Duration::from_secs(30);
         let loss = || {
-            Some(ConnectionLoss {
+            ConnectionLoss {
                 last_seen_open: seen_open,
                 reconnected: Some(reconnected),
-            })
+            }
+            .into()
         };
         let mut acks = RecentAcks::new(16);
         acks.record((0, 9, 1), seen_open);
@@ -791,7 +838,7 @@ mod tests {
         let now = Instant::now();
         let mut acks = RecentAcks::new(16);
         acks.record((0, 9, 1), now);
-        let unasked = || -> Option<ConnectionLoss> { panic!("asked") };
+        let unasked = || -> ConnectionLosses { panic!("asked") };
         assert_eq!(
             acks.redelivered((0, 9, 1), now, no_stream_end, unasked),
             Redelivery::AckLost(vec![(0, 9, 1)])

@@ -19,6 +19,10 @@
 //! their local address): one that was open and is gone, with a new one
 //! open since, is a [`ConnectionLoss`], which lets the settlement
 //! bookkeeping tell a lost ack from a replay however long the outage took.
+//! The last few losses are kept ([`ConnectionLosses`]): after a broker
+//! restart the crate can close one of its new connections a while later,
+//! and that loss must not hide the restart's, whose lost acks may still be
+//! coming back.
 //!
 //! This needs Linux's `/proc/self/fd`; elsewhere it does nothing.
 
@@ -39,8 +43,8 @@ pub(super) struct BrokerSockets {
     received: Cell<u64>,
     /// The broker connections open at the last look, by local address.
     open: RefCell<HashSet<SocketAddr>>,
-    /// The last connection lost, if one was.
-    last_loss: Cell<Option<ConnectionLoss>>,
+    /// The connections lost lately.
+    losses: Cell<ConnectionLosses>,
 }
 
 /// A broker connection found gone, and the connection made after it.
@@ -51,6 +55,68 @@ pub(super) struct ConnectionLoss {
     /// The first look that saw a new broker connection open after the loss
     /// (`None` until one does).
     pub(super) reconnected: Option<Instant>,
+}
+
+/// How many connection losses are kept. Each covers the acks it may have
+/// lost for a minute after its reconnection (see `settlement::RecentAcks`),
+/// and a later loss must not hide it meanwhile: after a broker restart the
+/// crate can make several connections and close some of them again a while
+/// later, while the acks lost in the restart are still coming back. Losses
+/// closer together than [`SAME_OUTAGE`] are one, so a minute holds only a
+/// few.
+const KEPT_LOSSES: usize = 8;
+
+/// The broker connections lost lately, oldest first; the latest is the one
+/// a new connection reconnects.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct ConnectionLosses([Option<ConnectionLoss>; KEPT_LOSSES]);
+
+impl ConnectionLosses {
+    /// The losses kept, oldest first.
+    pub(super) fn iter(&self) -> impl Iterator<Item = &ConnectionLoss> {
+        self.0.iter().flatten()
+    }
+
+    /// The latest loss, if any.
+    pub(super) fn latest(&self) -> Option<ConnectionLoss> {
+        self.0[KEPT_LOSSES - 1]
+    }
+
+    /// Adds a loss, forgetting the oldest kept if there is no room.
+    fn push(&mut self, loss: ConnectionLoss) {
+        self.0.rotate_left(1);
+        self.0[KEPT_LOSSES - 1] = Some(loss);
+    }
+
+    /// Notes a connection made at `now` as the reconnection of the latest
+    /// loss, unless that has one; returns whether it had none.
+    fn reconnect(&mut self, now: Instant) -> bool {
+        match &mut self.0[KEPT_LOSSES - 1] {
+            Some(loss) if loss.reconnected.is_none() => {
+                loss.reconnected = Some(now);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+impl FromIterator<ConnectionLoss> for ConnectionLosses {
+    fn from_iter<I: IntoIterator<Item = ConnectionLoss>>(losses: I) -> Self {
+        let mut kept = ConnectionLosses::default();
+        for loss in losses {
+            kept.push(loss);
+        }
+        kept
+    }
+}
+
+#[cfg(test)]
+impl From<ConnectionLoss> for ConnectionLosses {
+    fn from(loss: ConnectionLoss) -> Self {
+        [loss].into_iter().collect()
+    }
 }
 
 /// How often a consumer that is receiving looks again, so that a connection
@@ -67,7 +133,7 @@ const NODELAY_RECHECK_EVERY: u64 = 256;
 /// last sighting, which dates the acks lost.
 const SAME_OUTAGE: Duration = Duration::from_secs(10);
 
-/// How old a look may be for [`BrokerSockets::last_loss`] to answer from it.
+/// How old a look may be for [`BrokerSockets::losses`] to answer from it.
 const LOSS_RECHECK: Duration = Duration::from_secs(1);
 
 impl BrokerSockets {
@@ -103,32 +169,24 @@ impl BrokerSockets {
     /// connection lost (open at the `previous` look) or made since.
     fn note_open(&self, found: HashSet<SocketAddr>, previous: Option<Instant>, now: Instant) {
         let mut open = self.open.borrow_mut();
-        let last_loss = self.last_loss.get();
-        let same_outage = last_loss.is_some_and(|loss| {
+        let mut losses = self.losses.get();
+        let same_outage = losses.latest().is_some_and(|loss| {
             loss.reconnected
                 .is_none_or(|reconnected| now.duration_since(reconnected) <= SAME_OUTAGE)
         });
-        let loss = match previous {
-            Some(last_seen_open) if !open.is_subset(&found) && !same_outage => {
+        if let Some(last_seen_open) = previous {
+            if !open.is_subset(&found) && !same_outage {
                 tracing::debug!("a broker connection was lost");
-                Some(ConnectionLoss {
+                losses.push(ConnectionLoss {
                     last_seen_open,
                     reconnected: None,
-                })
+                });
             }
-            _ => last_loss,
-        };
-        let made = !found.is_subset(&open);
-        self.last_loss.set(loss.map(|loss| match loss.reconnected {
-            None if made => {
-                tracing::debug!("a broker connection was made after the loss");
-                ConnectionLoss {
-                    reconnected: Some(now),
-                    ..loss
-                }
-            }
-            _ => loss,
-        }));
+        }
+        if !found.is_subset(&open) && losses.reconnect(now) {
+            tracing::debug!("a broker connection was made after the loss");
+        }
+        self.losses.set(losses);
         *open = found;
     }
 
@@ -144,11 +202,11 @@ impl BrokerSockets {
         self.look_unless_within(NODELAY_RECHECK);
     }
 
-    /// The last broker connection lost, looking again first unless the last
-    /// look is under [`LOSS_RECHECK`] old.
-    pub(super) fn last_loss(&self) -> Option<ConnectionLoss> {
+    /// The broker connections lost lately, looking again first unless the
+    /// last look is under [`LOSS_RECHECK`] old.
+    pub(super) fn losses(&self) -> ConnectionLosses {
         self.look_unless_within(LOSS_RECHECK);
-        self.last_loss.get()
+        self.losses.get()
     }
 
     /// Looks again unless the last look is under `age` old.
@@ -282,12 +340,12 @@ mod tests {
         let first = TcpStream::connect(broker.local_addr().unwrap()).unwrap();
         let opened = Instant::now();
         sockets.look();
-        assert_eq!(sockets.last_loss(), None, "nothing lost yet");
+        assert_eq!(sockets.losses().latest(), None, "nothing lost yet");
 
         tokio::time::advance(Duration::from_secs(5)).await;
         drop(first);
         assert_eq!(
-            sockets.last_loss(),
+            sockets.losses().latest(),
             Some(ConnectionLoss {
                 last_seen_open: opened,
                 reconnected: None
@@ -297,7 +355,7 @@ mod tests {
 
         tokio::time::advance(Duration::from_secs(5)).await;
         assert_eq!(
-            sockets.last_loss().and_then(|loss| loss.reconnected),
+            sockets.losses().latest().and_then(|loss| loss.reconnected),
             None,
             "still nothing open"
         );
@@ -305,7 +363,7 @@ mod tests {
         tokio::time::advance(LOSS_RECHECK).await;
         let made = Instant::now();
         assert_eq!(
-            sockets.last_loss(),
+            sockets.losses().latest(),
             Some(ConnectionLoss {
                 last_seen_open: opened,
                 reconnected: Some(made)
@@ -314,7 +372,7 @@ mod tests {
 
         tokio::time::advance(Duration::from_secs(5)).await;
         assert_eq!(
-            sockets.last_loss().and_then(|loss| loss.reconnected),
+            sockets.losses().latest().and_then(|loss| loss.reconnected),
             Some(made),
             "a connection that stays open changes nothing"
         );
@@ -337,12 +395,12 @@ mod tests {
             last_seen_open: opened,
             reconnected: Some(reconnected),
         });
-        assert_eq!(sockets.last_loss(), outage);
+        assert_eq!(sockets.losses().latest(), outage);
 
         tokio::time::advance(LOSS_RECHECK).await;
         drop(second);
         assert_eq!(
-            sockets.last_loss(),
+            sockets.losses().latest(),
             outage,
             "the other connection of the outage, noticed a look later"
         );
@@ -350,24 +408,55 @@ mod tests {
         drop(third);
         let fourth = connect();
         assert_eq!(
-            sockets.last_loss(),
+            sockets.losses().latest(),
             outage,
             "a connection made during the outage and dropped again"
         );
 
         tokio::time::advance(SAME_OUTAGE).await;
         let seen = Instant::now();
-        assert_eq!(sockets.last_loss(), outage, "nothing lost since");
+        assert_eq!(sockets.losses().latest(), outage, "nothing lost since");
         tokio::time::advance(LOSS_RECHECK).await;
         drop(fourth);
+        let another = ConnectionLoss {
+            last_seen_open: seen,
+            reconnected: None,
+        };
         assert_eq!(
-            sockets.last_loss(),
-            Some(ConnectionLoss {
-                last_seen_open: seen,
-                reconnected: None
-            }),
+            sockets.losses().latest(),
+            Some(another),
             "a loss long after the reconnection is another outage"
         );
+        let kept: Vec<_> = sockets.losses().iter().copied().map(Some).collect();
+        assert_eq!(
+            kept,
+            [outage, Some(another)],
+            "and the outage before it is kept"
+        );
+    }
+
+    #[test]
+    fn the_latest_losses_are_kept_oldest_first() {
+        let start = Instant::now();
+        let loss = |n: u64| ConnectionLoss {
+            last_seen_open: start + Duration::from_secs(n),
+            reconnected: None,
+        };
+        let mut losses = ConnectionLosses::default();
+        assert_eq!(losses.latest(), None);
+        assert!(!losses.reconnect(start), "no loss to reconnect");
+        for n in 0..KEPT_LOSSES as u64 + 2 {
+            losses.push(loss(n));
+        }
+        let kept: Vec<_> = losses.iter().copied().collect();
+        let expected: Vec<_> = (2..KEPT_LOSSES as u64 + 2).map(loss).collect();
+        assert_eq!(kept, expected, "the two oldest forgotten");
+        let later = start + Duration::from_secs(60);
+        assert!(losses.reconnect(later));
+        assert!(!losses.reconnect(later + Duration::from_secs(1)), "once");
+        assert_eq!(losses.latest().unwrap().reconnected, Some(later));
+        let reconnected = losses.iter().filter(|loss| loss.reconnected.is_some());
+        assert_eq!(reconnected.count(), 1, "only the latest is reconnected");
     }
 
     /// The broker's end of a connection closes: with a reset, or with a
@@ -382,7 +471,7 @@ mod tests {
             let (accepted, _) = broker.accept().unwrap();
             sockets.look();
             tokio::time::advance(LOSS_RECHECK).await;
-            assert_eq!(sockets.last_loss(), None, "open both ways");
+            assert_eq!(sockets.losses().latest(), None, "open both ways");
             if reset {
                 socket2::SockRef::from(&accepted)
                     .set_linger(Some(Duration::ZERO))
@@ -391,7 +480,7 @@ mod tests {
             drop(accepted);
             tokio::time::advance(LOSS_RECHECK).await;
             assert!(
-                sockets.last_loss().is_some(),
+                sockets.losses().latest().is_some(),
                 "reset: {reset}; still open here: {connection:?}"
             );
         }
