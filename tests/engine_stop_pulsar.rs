@@ -10,7 +10,7 @@ use std::net::Shutdown;
 use std::os::fd::{BorrowedFd, RawFd};
 use std::time::Duration;
 
-use common::{pulsar_url, run_local, HeldBacklog};
+use common::{authority, pulsar_url, run_local, HeldBacklog};
 use socket2::SockRef;
 
 /// The crate's consumer engine stops for good when its connection fails
@@ -68,13 +68,9 @@ fn break_broker_connections() -> usize {
         .count()
 }
 
-/// The port of the broker's service URL.
+/// The port of the broker's service URL (Pulsar's 6650 if it names none).
 fn broker_port() -> u16 {
-    let url = pulsar_url();
-    let authority = url.split("://").nth(1).unwrap_or(&url);
-    let port = authority
-        .split('/')
-        .next()
-        .and_then(|a| a.rsplit(':').next());
+    let authority = authority(&pulsar_url());
+    let port = authority.rsplit_once(':').map(|(_, port)| port);
     port.and_then(|port| port.parse().ok()).unwrap_or(6650)
 }

@@ -38,7 +38,7 @@ fn env_or(name: &str, default: &str) -> String {
 }
 
 /// `host:port` of a `scheme://host:port/...` URL.
-fn authority(url: &str) -> String {
+pub fn authority(url: &str) -> String {
     let rest = url.split_once("://").map(|(_, r)| r).unwrap_or(url);
     rest.split('/').next().unwrap_or(rest).to_string()
 }
