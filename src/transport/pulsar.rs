@@ -396,22 +396,20 @@ impl PulsarConsumer {
             let index = usize::try_from(partition).unwrap_or(0);
             partitions.get(index).and_then(Partition::outage)
         };
-        let resend = match self.recent_acks.redelivered(
-            entry_of(id),
-            Instant::now(),
-            outage,
-            || brokers.losses(),
-        ) {
+        let (entry, now) = (entry_of(id), Instant::now());
+        let resend = match self
+            .recent_acks
+            .redelivered(entry, now, outage, || brokers.losses())
+        {
             Redelivery::NotAcked => return false,
             Redelivery::Replay => {
-                let now = Instant::now();
                 if let Some(held_back) = self.replays_log.admit(now) {
                     // What the decision went by, should it be wrong, in
                     // times before now: the partition's outage (ended,
                     // reopened) and the broker connections lost lately (last
                     // seen open, new one seen).
                     let ago = |at: Instant| now.saturating_duration_since(at);
-                    let outage = outage(entry_of(id)).map(|o| (ago(o.ended), o.reopened.map(ago)));
+                    let outage = outage(entry).map(|o| (ago(o.ended), o.reopened.map(ago)));
                     let connection_losses: Vec<_> = brokers
                         .losses()
                         .iter()
