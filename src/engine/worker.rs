@@ -159,16 +159,20 @@ where
                 self.run(job, &engine, &inbox).await;
             }
             left_in_poll -= 1;
-            // The hint first: false for a key-ordered subscription, and
-            // for one that takes turns with others at its level.
-            if job.next_in_line && inbox.queue.borrow().is_empty() {
+            // The hint first: false for a subscription that takes turns
+            // with others at its level. At the end of the poll, a job whose
+            // message holds a key ends as usual: kept over the runtime's
+            // turn, it would keep the key busy.
+            if job.next_in_line
+                && inbox.queue.borrow().is_empty()
+                && (left_in_poll != 0 || !job.holds_key())
+            {
                 if left_in_poll == 0 {
                     // The runtime's turn, the ended job kept: its message
                     // handled and settled, its permit resting, no key
-                    // busy (a key buffer is never next in line), so that
-                    // nothing waits on it, and the next message may still
-                    // follow on (`follow_on` checks again what the turn
-                    // may have changed).
+                    // busy, so that nothing waits on it, and the next
+                    // message may still follow on (`follow_on` checks
+                    // again what the turn may have changed).
                     left_in_poll = JOBS_PER_POLL;
                     let _resting = engine.rest(&job.subscription);
                     tokio::task::yield_now().await;
@@ -598,6 +602,14 @@ impl<T: Transport> Job<T> {
         }
     }
 
+    /// Whether its message holds an ordering key (of a key-ordered
+    /// subscription) until the job ends.
+    fn holds_key(&self) -> bool {
+        self.permit
+            .as_ref()
+            .is_some_and(|permit| permit.holds_key())
+    }
+
     /// The priority it was picked at.
     fn priority(&self) -> i64 {
         self.permit
@@ -736,7 +748,7 @@ impl<T: Transport> Job<T> {
         let mut not_stored = None;
         {
             let mut scheduler = engine.scheduler.borrow_mut();
-            let Some(mut redispatch) = scheduler.try_redispatch(permit) else {
+            let Some(redispatch) = scheduler.try_redispatch(permit) else {
                 return false;
             };
             // A job picked now would let such a message start first (see
@@ -754,8 +766,11 @@ impl<T: Transport> Job<T> {
             if subscription.is_receiving()
                 && engine.receive_into(subscription, ended, &mut not_stored)
             {
-                std::mem::swap(ended, &mut redispatch.waiting().message);
-                *next_in_line = redispatch.refilled();
+                *next_in_line = redispatch.exchange(
+                    |next| std::mem::swap(ended, &mut next.message),
+                    |stored| subscription.order_key(stored.message.get()),
+                    || engine.receive_next(subscription, &mut not_stored),
+                );
             } else {
                 let Delivery { message: next, .. } = redispatch.take();
                 engine.keep_spare(std::mem::replace(ended, next));

@@ -171,6 +171,44 @@ impl<M> Keyed<M> {
         }
     }
 
+    /// Whether everything it holds waits for a busy key and it has room:
+    /// a refill takes more then.
+    pub(super) fn waits_for_busy_keys(&self) -> bool {
+        self.free.is_empty() && self.parked.len() < self.capacity
+    }
+
+    /// A re-dispatch ([`Redispatch::exchange`]): releases the ended
+    /// message's key, then hands out the earliest free message through
+    /// `exchange`, which puts the subscription's next message in its place,
+    /// and stores that one as received, its key told by `key_of`. The
+    /// buffer has a free message (the re-dispatch is offered for it), and
+    /// the release frees any message behind it. Returns the key of the
+    /// message handed out, in flight now.
+    ///
+    /// [`Redispatch::exchange`]: super::Redispatch::exchange
+    pub(super) fn exchange(
+        &mut self,
+        ended: Option<u64>,
+        exchange: impl FnOnce(&mut M),
+        key_of: impl FnOnce(&M) -> Option<u64>,
+    ) -> Option<u64> {
+        if let Some(key) = ended {
+            self.release(key);
+        }
+        let mut waiting = self
+            .free
+            .pop_front()
+            .expect("a re-dispatch is offered for a free message");
+        let handed_out = waiting.key;
+        exchange(&mut waiting.message);
+        // Under the strict policy, the only one that re-dispatches, no
+        // message keeps the time it was inserted.
+        debug_assert!(waiting.since.is_none());
+        waiting.key = key_of(&waiting.message);
+        self.insert(waiting);
+        handed_out
+    }
+
     /// Free messages go first, then parked ones, each in receive order.
     fn take_any(&mut self) -> Option<Waiting<M>> {
         if let Some(waiting) = self.free.pop_front() {

@@ -124,6 +124,12 @@ impl Permit {
     pub fn priority(&self) -> i64 {
         self.priority
     }
+
+    /// Whether its message holds an ordering key, busy until the permit
+    /// is released (key ordering).
+    pub fn holds_key(&self) -> bool {
+        self.key.is_some()
+    }
 }
 
 /// What [`Scheduler::try_dispatch_refilling`] picked.
@@ -139,11 +145,10 @@ pub struct Pick<M> {
     pub refill_called: bool,
     /// Whether a permit is still free after this pick.
     pub permits_left: bool,
-    /// Whether the subscription holds a slot (not a key buffer) whose next
-    /// message is next in line at its level after this pick: it is ready
-    /// and alone in its level's ready queue, or its slot is full and it is
-    /// at its in-flight limit (one at a time, say) with no other ready at
-    /// its level. A hint that [`Scheduler::try_redispatch`] may hand this
+    /// Whether the subscription's next message is next in line at its
+    /// level after this pick: it is ready and alone in its level's ready
+    /// queue, or it holds a message that may run and is at its in-flight
+    /// limit (one at a time, say) with no other ready at its level. A hint that [`Scheduler::try_redispatch`] may hand this
     /// permit to that message when this one ends (it checks everything
     /// again).
     pub next_in_line: bool,
@@ -151,7 +156,8 @@ pub struct Pick<M> {
 
 /// A re-dispatch under way ([`Scheduler::try_redispatch`]): the permit of
 /// a message that has ended, offered to its subscription's next message,
-/// which waits in the slot. Settle it with [`refilled`](Self::refilled) or
+/// which waits in the slot or at the front of the key buffer's free
+/// messages. Settle it with [`exchange`](Self::exchange) or
 /// [`take`](Self::take); until then nothing has changed.
 #[must_use = "a re-dispatch dropped unsettled leaves the permit to release"]
 pub struct Redispatch<'a, M> {
@@ -177,22 +183,30 @@ impl<M> Redispatch<'_, M> {
         self.scheduler.levels[self.level].priority
     }
 
-    /// The message waiting in the slot, the one the permit goes to.
+    /// The subscription's next message was received: `exchange` is given
+    /// the message the permit goes to, takes it out and puts the next one
+    /// in its place (the engine swaps their boxes), which the slot or key
+    /// buffer then holds as a message received, its ordering key told by
+    /// `key_of`. The permit is the message taken out's now, and the
+    /// subscription takes its turn as after a pick. Returns
+    /// [`Pick::next_in_line`] for this re-dispatch.
+    ///
+    /// A key buffer left with everything it holds waiting for busy keys
+    /// takes more from `more` while it has room, as after a pick (see
+    /// [`Scheduler::try_dispatch_refilling`]). A slot asks neither
+    /// `key_of` nor `more`.
     #[inline(always)]
-    pub fn waiting(&mut self) -> &mut M {
+    pub fn exchange<R: Refilled<M>>(
+        self,
+        exchange: impl FnOnce(&mut M),
+        key_of: impl FnOnce(&M) -> Option<u64>,
+        more: impl FnMut() -> Option<R>,
+    ) -> bool {
         let subscription = &mut self.scheduler.subscriptions[self.permit.subscription.0];
-        match &mut subscription.held {
-            Held::Slot(Some(slotted)) => &mut slotted.message,
-            _ => unreachable!("a re-dispatch is offered for a full slot"),
-        }
-    }
-
-    /// The slot's message was exchanged, through [`waiting`](Self::waiting),
-    /// for the subscription's next one: the permit is the message taken
-    /// out's now, and the slot stays full, its turn taken as after a pick.
-    /// Returns [`Pick::next_in_line`] for this re-dispatch.
-    #[inline(always)]
-    pub fn refilled(self) -> bool {
+        let Held::Slot(Some(slotted)) = &mut subscription.held else {
+            return self.exchange_keyed(exchange, key_of, more);
+        };
+        exchange(&mut slotted.message);
         let Level {
             ready, priority, ..
         } = &mut self.scheduler.levels[self.level];
@@ -203,22 +217,72 @@ impl<M> Redispatch<'_, M> {
         take_turn(ready)
     }
 
-    /// The subscription had no next message: the slot's message is taken
-    /// out, and the permit is its own now.
+    /// [`exchange`](Self::exchange) for a key buffer, as a release and a
+    /// pick do it: the ended message's key is released first (which may
+    /// free a message parked behind it, after the one taken out), and the
+    /// message put in is stored as a received one is, parked if its key is
+    /// busy. Out of line, so that a slot's re-dispatch carries none of it.
+    #[inline(never)]
+    fn exchange_keyed<R: Refilled<M>>(
+        self,
+        exchange: impl FnOnce(&mut M),
+        key_of: impl FnOnce(&M) -> Option<u64>,
+        mut more: impl FnMut() -> Option<R>,
+    ) -> bool {
+        let Scheduler {
+            subscriptions,
+            waiting,
+            ..
+        } = &mut *self.scheduler;
+        let Held::Keyed(keyed) = &mut subscriptions[self.permit.subscription.0].held else {
+            unreachable!("a re-dispatch is offered for a full slot or a key buffer")
+        };
+        self.permit.key = keyed.exchange(self.permit.key, exchange, key_of);
+        while keyed.waits_for_busy_keys() {
+            let Some(refilled) = more() else {
+                break;
+            };
+            debug_assert!(R::TELLS_KEY, "a key buffer's refill tells keys");
+            *waiting += 1;
+            if Scheduler::store_in_key_buffer(keyed, refilled, None) {
+                break;
+            }
+        }
+        self.after_redispatch()
+    }
+
+    /// The subscription had no next message: the message the permit goes
+    /// to is taken out, and the permit is its own now.
     pub fn take(self) -> M {
-        let scheduler = self.scheduler;
+        let scheduler = &mut *self.scheduler;
         let subscription = &mut scheduler.subscriptions[self.permit.subscription.0];
-        let queued = subscription.queued;
-        let Some(slotted) = subscription.held.take_next() else {
-            unreachable!("a re-dispatch is offered for a full slot")
+        subscription.held.release(self.permit.key);
+        let Some(waiting) = subscription.held.take_next() else {
+            unreachable!("a re-dispatch is offered for a message that may run")
         };
         scheduler.waiting -= 1;
+        self.permit.key = waiting.key;
+        self.after_redispatch();
+        waiting.message
+    }
+
+    /// The subscription's place after a re-dispatch that took a message
+    /// out, as after a pick: queued, it takes its turn if it is still
+    /// ready, and leaves the queue otherwise; at its in-flight limit, it
+    /// stays out of the queues. Returns [`Pick::next_in_line`].
+    fn after_redispatch(self) -> bool {
+        let scheduler = self.scheduler;
         self.permit.priority = scheduler.levels[self.level].priority;
-        // Out of the queue now, as a subscription at its limit already is.
-        if queued {
-            scheduler.pop_ready(self.level);
-        }
-        slotted.message
+        let subscription = &scheduler.subscriptions[self.permit.subscription.0];
+        let still_ready = subscription.is_ready();
+        let full_at_limit =
+            subscription.held.has_dispatchable() && subscription.in_flight == subscription.limit;
+        let alone = if subscription.queued {
+            scheduler.after_pick_at_front(self.level, still_ready)
+        } else {
+            false
+        };
+        alone || !still_ready && full_at_limit && scheduler.levels[self.level].ready.is_empty()
     }
 }
 
@@ -638,15 +702,14 @@ impl<M> Scheduler<M> {
             }
         }));
         let still_ready = subscription.is_ready();
-        // Only a slot's next message can be re-dispatched: one alone at
-        // its level, or one at its in-flight limit whose level has no
-        // other (see `try_redispatch`).
-        let slot = matches!(subscription.held, Held::Slot(_));
-        let full_at_limit = matches!(subscription.held, Held::Slot(Some(_)))
-            && subscription.in_flight == subscription.limit;
+        // The next message can be re-dispatched when it is alone at its
+        // level, or at its in-flight limit with no other at its level (see
+        // `try_redispatch`).
+        let full_at_limit =
+            subscription.held.has_dispatchable() && subscription.in_flight == subscription.limit;
         let alone = self.after_pick_at_front(level, still_ready);
         let next_in_line =
-            slot && (alone || !still_ready && full_at_limit && self.levels[level].ready.is_empty());
+            alone || !still_ready && full_at_limit && self.levels[level].ready.is_empty();
         if let Err(panic) = refilled {
             std::panic::resume_unwind(panic);
         }
@@ -657,23 +720,24 @@ impl<M> Scheduler<M> {
     /// own subscription's next message, when that is the message
     /// [`release`](Self::release) followed by
     /// [`try_dispatch_refilling`](Self::try_dispatch_refilling) would pick
-    /// under it, and nothing more: the policy is strict, the subscription's
-    /// slot holds a message, and either it is at the front of the best
+    /// under it, and nothing more: the policy is strict, the subscription
+    /// holds a message that may run (its slot's, or a free one in its key
+    /// buffer), and either it is at the front of the best
     /// ready level, which leaves no permit to better levels, with no other
     /// permit free, or it is at its in-flight limit with nothing ready at
     /// its level or a better one (see `next_at_its_limit`). `None`
     /// otherwise (then release the permit and dispatch as usual).
     ///
-    /// Nothing changes until the [`Redispatch`] returned is settled: its
-    /// slot's message is exchanged in place for the subscription's next one
-    /// ([`Redispatch::refilled`]), or taken out when there is none
+    /// Nothing changes until the [`Redispatch`] returned is settled: the
+    /// message it goes to is exchanged in place for the subscription's next
+    /// one ([`Redispatch::exchange`]), or taken out when there is none
     /// ([`Redispatch::take`]). Dropped unsettled (a refill that panicked),
     /// it leaves the scheduler as it was and the permit the caller's to
     /// release.
     ///
     /// The common end of a job in a busy dispatcher, done without the
     /// permit's round trip through the ready queue and the level bits, and
-    /// without moving the slot's message.
+    /// without moving a message in or out of a slot.
     #[inline(always)]
     pub fn try_redispatch<'a>(&'a mut self, permit: &'a mut Permit) -> Option<Redispatch<'a, M>> {
         let key = permit.subscription;
@@ -683,7 +747,7 @@ impl<M> Scheduler<M> {
             ready, to_leave, ..
         } = &self.levels[level];
         let queued = subscription.queued;
-        let open = matches!(subscription.held, Held::Slot(Some(_)))
+        let open = subscription.held.has_dispatchable()
             && !self.closed
             && matches!(self.policy, SchedulingPolicy::Strict);
         // Queued, the pick after the release is the front of the best ready

@@ -9,6 +9,26 @@ fn scheduler(concurrency: usize) -> Scheduler<&'static str> {
     Scheduler::new(NonZeroUsize::new(concurrency).unwrap())
 }
 
+/// Settles a re-dispatch as the engine does when the subscription's next
+/// message, `next` (ordered by `key`), was received: it takes the place of
+/// the message the permit goes to. Returns that message, and whether the
+/// subscription's next one is next in line.
+fn exchange_keyed<M>(redispatch: Redispatch<'_, M>, next: M, key: Option<u64>) -> (M, bool) {
+    let mut next = Some(next);
+    let mut taken = None;
+    let next_in_line = redispatch.exchange(
+        |waiting| taken = Some(std::mem::replace(waiting, next.take().expect("once"))),
+        |_| key,
+        || None::<M>,
+    );
+    (taken.expect("exchanged"), next_in_line)
+}
+
+/// [`exchange_keyed`] for a message without a key.
+fn exchange<M>(redispatch: Redispatch<'_, M>, next: M) -> (M, bool) {
+    exchange_keyed(redispatch, next, None)
+}
+
 /// Dispatches and keeps the permit for later release.
 fn dispatch(s: &mut Scheduler<&'static str>, permits: &mut Vec<Permit>) -> Option<&'static str> {
     let (permit, message) = s.try_dispatch()?;
@@ -736,9 +756,9 @@ fn a_redispatch_takes_the_lone_subscriptions_next_message_under_the_same_permit(
     let only = s.add_subscription(0);
     s.try_insert(only, "1").unwrap();
     let mut permit = s.try_dispatch_refilling(|_| Some("2")).unwrap().permit;
-    let mut redispatch = s.try_redispatch(&mut permit).expect("2 is next");
-    assert_eq!(std::mem::replace(redispatch.waiting(), "3"), "2");
-    assert!(redispatch.refilled(), "still alone at its level");
+    let (taken, next_in_line) = exchange(s.try_redispatch(&mut permit).expect("2 is next"), "3");
+    assert_eq!(taken, "2");
+    assert!(next_in_line, "still alone at its level");
     assert_eq!((s.in_flight(), s.waiting()), (1, 1));
     // Dropped unsettled: nothing changes.
     drop(s.try_redispatch(&mut permit).expect("3 is next"));
@@ -765,9 +785,9 @@ fn a_redispatch_is_refused_when_a_release_and_a_pick_would_choose_otherwise() {
     );
     let second = s.try_dispatch_refilling(|_| None::<&str>).unwrap().permit;
     // a2 is the only ready message: a takes it under its own permit.
-    let mut redispatch = s.try_redispatch(&mut first).expect("a2 is next");
-    assert_eq!(std::mem::replace(redispatch.waiting(), "a3"), "a2");
-    assert!(redispatch.refilled());
+    let (taken, next_in_line) = exchange(s.try_redispatch(&mut first).expect("a2 is next"), "a3");
+    assert_eq!(taken, "a2");
+    assert!(next_in_line);
     // A better subscription's message waits: it goes first.
     let better = s.add_subscription(0);
     s.try_insert(better, "better").unwrap();
@@ -798,9 +818,12 @@ fn a_subscription_at_its_in_flight_limit_redispatches_when_its_next_message_woul
         "o2 waits, at the limit, with no other at its level"
     );
     // With the other permit free and nothing else ready, o2 follows o1.
-    let mut redispatch = s.try_redispatch(&mut first.permit).expect("o2 is next");
-    assert_eq!(std::mem::replace(redispatch.waiting(), "o3"), "o2");
-    assert!(redispatch.refilled());
+    let (taken, next_in_line) = exchange(
+        s.try_redispatch(&mut first.permit).expect("o2 is next"),
+        "o3",
+    );
+    assert_eq!(taken, "o2");
+    assert!(next_in_line);
     assert_eq!((s.in_flight(), s.waiting()), (1, 1));
     // The last free permit is kept for priority 0: a release would leave
     // o3 waiting, so it is not re-dispatched either.
@@ -817,5 +840,40 @@ fn a_subscription_at_its_in_flight_limit_redispatches_when_its_next_message_woul
     let (last, message) = s.try_dispatch().unwrap();
     assert_eq!(message, "o3");
     s.release(last);
+    assert!(s.is_idle());
+}
+
+#[test]
+fn a_key_buffer_redispatches_as_a_release_and_a_pick_would() {
+    let mut s = scheduler(1);
+    let keyed = s.add(SubscriptionConfig {
+        ordering: Ordering::Key,
+        key_buffer: 3,
+        ..SubscriptionConfig::new(0)
+    });
+    for (message, key) in [("a1", 1), ("a2", 1), ("b1", 2)] {
+        s.try_insert_keyed(keyed, message, Some(key)).unwrap();
+    }
+    let (mut permit, first) = s.try_dispatch().unwrap();
+    assert_eq!(first, "a1");
+    // a2 is parked behind a1; b1 is free, so it goes next.
+    let (taken, next_in_line) = exchange_keyed(
+        s.try_redispatch(&mut permit).expect("b1 is free"),
+        "b2",
+        Some(2),
+    );
+    assert_eq!(taken, "b1");
+    assert!(next_in_line, "a2, freed by a1's end, may run next");
+    assert!(permit.holds_key());
+    assert_eq!((s.in_flight(), s.waiting()), (1, 2));
+    // a1's end freed a2; b2 is parked behind b1, in flight now. Nothing
+    // more comes: a2 is taken out, and b1's end frees b2.
+    let redispatch = s.try_redispatch(&mut permit).expect("a2 is free");
+    assert_eq!(redispatch.take(), "a2");
+    assert_eq!((s.in_flight(), s.waiting()), (1, 1));
+    let redispatch = s.try_redispatch(&mut permit).expect("b2 is free");
+    assert_eq!(redispatch.take(), "b2");
+    assert!(s.try_redispatch(&mut permit).is_none(), "nothing is held");
+    s.release(permit);
     assert!(s.is_idle());
 }
