@@ -5,21 +5,22 @@
 //! when a message arrives for the handler and every worker it has is busy,
 //! so a pool never holds more workers than the concurrency limit; after
 //! that, dispatching a message allocates nothing: the handler's future lives
-//! inside the worker's own task, which is reused message after message.
-//! When a worker finishes a message whose subscription's next message is
-//! the one a release and a pick would give its permit, it runs that one
-//! next under the same permit, the two message boxes exchanged in place
-//! (see `Job::follow_on`). Otherwise it dispatches at once (permit, then the
-//! best waiting messages, as the engine would): those for its own handler
-//! go to its queue and run in the same poll, in the order they were picked,
-//! while their handlers finish without waiting; the first time one waits,
-//! the rest of the queue goes to other workers. Messages for other handlers
-//! go to their pools' idle workers. An idle worker offers to dispatch when a
-//! consumer wakes (see `wake`), and runs what it picks the same way. Every
-//! few messages a worker yields to the runtime, so that the broker
-//! connection's tasks and timers keep running; when the next message may
-//! follow on, it keeps the ended job over that turn, its permit counted as
-//! resting (see `Engine::rest`).
+//! inside the worker's own task, which is reused message after message. When
+//! a worker finishes a message whose subscription's next message is the one
+//! a release and a pick would give its permit, it runs that one next under
+//! the same permit, the two message boxes exchanged in place, from a slot or
+//! a key buffer alike (see `Job::follow_on`). Otherwise it dispatches at
+//! once (permit, then the best waiting messages, as the engine would): those
+//! for its own handler go to its queue and run in the same poll, in the
+//! order they were picked, while their handlers finish without waiting; the
+//! first time one waits, the rest of the queue goes to other workers.
+//! Messages for other handlers go to their pools' idle workers. An idle
+//! worker offers to dispatch when a consumer wakes (see `wake`), and runs
+//! what it picks the same way. Every few messages a worker yields to the
+//! runtime, so that the broker connection's tasks and timers keep running;
+//! when the next message may follow on, it keeps the ended job over that
+//! turn, its permit counted as resting (see `Engine::rest`), unless the
+//! ended message holds an ordering key, which would stay busy over the turn.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -711,7 +712,10 @@ impl<T: Transport> Job<T> {
     /// else waits on its end: no consumer woke, no job of a better priority
     /// handed over waits to start, the engine runs and the subscription
     /// stays. The box of the message it ends takes the subscription's next
-    /// message, and goes to the slot in exchange for the slot's. Returns
+    /// message, and goes to the slot or key buffer in exchange for the
+    /// message the permit goes to (a key buffer releases the ended
+    /// message's key first, and takes more while everything it holds
+    /// waits for busy keys, as after a pick). Returns
     /// false, having changed nothing, otherwise; the job then ends as usual.
     /// Its worker asks only when the job's hint says its subscription's next
     /// message was next in line, and with no job queued behind this one,
@@ -720,7 +724,7 @@ impl<T: Transport> Job<T> {
     ///
     /// The common end of a job in a busy dispatcher: it skips the job's
     /// drop, its permit's round trip, the building of the next job and the
-    /// slot's new delivery.
+    /// new delivery of the message stored.
     ///
     /// [`Scheduler::try_redispatch`]: crate::scheduler::Scheduler::try_redispatch
     #[inline(always)]

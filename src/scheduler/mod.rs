@@ -148,9 +148,9 @@ pub struct Pick<M> {
     /// Whether the subscription's next message is next in line at its
     /// level after this pick: it is ready and alone in its level's ready
     /// queue, or it holds a message that may run and is at its in-flight
-    /// limit (one at a time, say) with no other ready at its level. A hint that [`Scheduler::try_redispatch`] may hand this
-    /// permit to that message when this one ends (it checks everything
-    /// again).
+    /// limit (one at a time, say) with no other ready at its level. A hint
+    /// that [`Scheduler::try_redispatch`] may hand this permit to that
+    /// message when this one ends (it checks everything again).
     pub next_in_line: bool,
 }
 
@@ -747,7 +747,10 @@ impl<M> Scheduler<M> {
             ready, to_leave, ..
         } = &self.levels[level];
         let queued = subscription.queued;
-        let open = subscription.held.has_dispatchable()
+        // A full slot first: the common re-dispatch tests one tag (4
+        // instructions per message fewer than asking the holder).
+        let open = (matches!(subscription.held, Held::Slot(Some(_)))
+            || subscription.held.has_dispatchable())
             && !self.closed
             && matches!(self.policy, SchedulingPolicy::Strict);
         // Queued, the pick after the release is the front of the best ready
