@@ -194,7 +194,10 @@ impl<M> Redispatch<'_, M> {
     /// A key buffer left with everything it holds waiting for busy keys
     /// takes more from `more` while it has room, as after a pick (see
     /// [`Scheduler::try_dispatch_refilling`]). A slot asks neither
-    /// `key_of` nor `more`.
+    /// `key_of` nor `more`. `more` runs once the exchange is made, so it
+    /// must not unwind: the subscription's place in the ready queues is
+    /// set after it (the engine's receive catches a consumer's panic and
+    /// fails the dispatcher instead).
     #[inline(always)]
     pub fn exchange<R: Refilled<M>>(
         self,

@@ -907,7 +907,7 @@ fn a_receive_that_panics(receiving_in: &str) {
                 match message.payload() {
                     b"gated" => gate.wait().await,
                     // Its end is followed on in place, and receives.
-                    b"breaks" => hooks.receive_panics.set(true),
+                    b"breaks" => hooks.receives_before_panic.set(Some(0)),
                     _ => {}
                 }
                 Ok::<_, Infallible>(())
@@ -933,7 +933,7 @@ fn a_receive_that_panics(receiving_in: &str) {
             sent.push(memory.send("jobs", "2"));
             settle_down().await;
             assert_eq!(dispatcher.stats().waiting, 1);
-            hooks.receive_panics.set(true);
+            hooks.receives_before_panic.set(Some(0));
             gate.open();
         }
         let result = tokio::time::timeout(Duration::from_secs(10), run)
@@ -962,6 +962,71 @@ fn a_receive_that_panics_within_a_pick_fails_the_dispatcher_and_loses_nothing() 
 #[test]
 fn a_receive_that_panics_within_a_follow_on_fails_the_dispatcher_and_loses_nothing() {
     a_receive_that_panics("follow-on");
+}
+
+/// A key buffer's re-dispatch stores the subscription's next message
+/// behind a busy key, and takes more while everything it holds waits:
+/// that receive panics after the exchange is made. The dispatcher fails,
+/// and every message taken is settled.
+#[test]
+fn a_receive_that_panics_within_a_key_buffers_follow_on_fails_the_dispatcher_and_loses_nothing() {
+    run_local(async {
+        let transport = Hooked::default();
+        let hooks = transport.clone();
+        let memory = transport.inner.clone();
+        let dispatcher = Rc::new(
+            Dispatcher::builder()
+                .concurrency(1)
+                .build(transport)
+                .unwrap(),
+        );
+        let panicked_before_b1 = Rc::new(std::cell::Cell::new(None));
+        let handler = {
+            let (hooks, panicked_before_b1) = (hooks.clone(), panicked_before_b1.clone());
+            async move |message: &Message| {
+                match message.payload() {
+                    // a1's end follows on with b1 (free); the receive into
+                    // its box takes b2, parked behind b1; the next receive,
+                    // the buffer's refill, panics before b1 runs.
+                    b"a1" => hooks.receives_before_panic.set(Some(1)),
+                    b"b1" => {
+                        let panicked = hooks.receives_before_panic.get().is_none();
+                        panicked_before_b1.set(Some(panicked));
+                    }
+                    _ => {}
+                }
+                Ok::<_, Infallible>(())
+            }
+        };
+        let sent: Vec<_> = [("a1", "A"), ("b1", "B"), ("b2", "B"), ("c1", "C")]
+            .into_iter()
+            .map(|(payload, key)| {
+                let outgoing =
+                    OutgoingMessage::new(payload.as_bytes().to_vec()).with_partition_key(key);
+                memory.send_message("jobs", outgoing)
+            })
+            .collect();
+        let keyed = options(1).ordering(crate::Ordering::Key).key_buffer(2);
+        dispatcher.subscribe("jobs", handler, keyed).await.unwrap();
+        let result = tokio::time::timeout(Duration::from_secs(10), dispatcher.run())
+            .await
+            .expect("run() returns");
+        assert!(
+            matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("a broken receive")),
+            "{result:?}"
+        );
+        let stats = dispatcher.stats();
+        assert_eq!((stats.in_flight, stats.waiting), (0, 0), "{stats:?}");
+        let settled = [memory.acked("jobs"), memory.nacked("jobs")].concat();
+        assert_eq!(memory.received_count("jobs"), 3, "a1, b1 and b2");
+        assert_eq!(settled.len(), 3, "every message taken is settled");
+        assert!(settled.iter().all(|id| sent.contains(id)));
+        assert_eq!(
+            panicked_before_b1.get(),
+            Some(true),
+            "the refill within a1's follow-on panicked, before b1 ran"
+        );
+    });
 }
 
 #[test]

@@ -27,8 +27,9 @@ pub(super) struct Hooked {
     nacks_panic: Rc<Cell<bool>>,
     /// The topic whose consumer's close panics.
     consumer_close_panics: Rc<RefCell<Option<String>>>,
-    /// The next receive panics.
-    pub(super) receive_panics: Rc<Cell<bool>>,
+    /// How many more receives succeed before one panics (none: no
+    /// receive panics).
+    pub(super) receives_before_panic: Rc<Cell<Option<u32>>>,
     close_takes: Rc<Cell<Duration>>,
     part_failing_since: Rc<Cell<Option<tokio::time::Instant>>>,
     /// Errors the next receives return, first first.
@@ -188,8 +189,13 @@ impl Consumer for HookedConsumer {
         slot: &mut Option<Message>,
     ) -> Poll<Option<Result<(), TransportError>>> {
         *self.hooks.receiver.borrow_mut() = Some(cx.waker().clone());
-        if self.hooks.receive_panics.replace(false) {
-            panic!("a broken receive");
+        match self.hooks.receives_before_panic.get() {
+            Some(0) => {
+                self.hooks.receives_before_panic.set(None);
+                panic!("a broken receive");
+            }
+            Some(left) => self.hooks.receives_before_panic.set(Some(left - 1)),
+            None => {}
         }
         if let Some(error) = self.hooks.receive_errors.borrow_mut().pop_front() {
             return Poll::Ready(Some(Err(error)));
