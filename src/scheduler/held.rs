@@ -156,7 +156,7 @@ impl<M> Keyed<M> {
     #[inline(always)]
     pub(super) fn store_refilled(&mut self, waiting: Waiting<M>) -> bool {
         self.insert(waiting);
-        !self.free.is_empty() || self.free.len() + self.parked.len() >= self.capacity
+        !self.waits_for_busy_keys()
     }
 
     #[inline(always)]
