@@ -9,7 +9,9 @@ use std::time::Duration;
 use super::hooked::Hooked;
 use super::{dispatcher, options, refused_for, run_local, settle_down, spawn_run, Gate};
 use crate::transport::{MemoryTransport, OutgoingMessage};
-use crate::{Dispatcher, Error, ErrorClass, Message, SubType, SubscribeOptions, MAX_DURATION};
+use crate::{
+    Dispatcher, Error, ErrorClass, Message, MessageId, SubType, SubscribeOptions, MAX_DURATION,
+};
 
 /// Never returns for payload `hang`; succeeds otherwise.
 async fn hangs_on_request(message: &Message) -> Result<(), Infallible> {
@@ -891,15 +893,7 @@ fn a_panic_in_the_dispatchers_own_path_stops_it_with_an_error() {
 /// `run()` returns.
 fn a_receive_that_panics(receiving_in: &str) {
     run_local(async {
-        let transport = Hooked::default();
-        let hooks = transport.clone();
-        let memory = transport.inner.clone();
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(1)
-                .build(transport)
-                .unwrap(),
-        );
+        let (hooks, memory, dispatcher) = one_permit_on_hooked();
         let gate = Gate::default();
         let handler = {
             let (gate, hooks) = (gate.clone(), hooks.clone());
@@ -940,18 +934,43 @@ fn a_receive_that_panics(receiving_in: &str) {
             .await
             .expect("run() returns")
             .unwrap();
-        assert!(
-            matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("a broken receive")),
-            "{result:?}"
-        );
-        let stats = dispatcher.stats();
-        assert_eq!((stats.in_flight, stats.waiting), (0, 0), "{stats:?}");
-        let settled = [memory.acked("jobs"), memory.nacked("jobs")].concat();
-        let received = memory.received_count("jobs") as usize;
-        assert_eq!(settled.len(), received, "every message taken is settled");
+        let received = failed_on_a_broken_receive(&result, &dispatcher, &memory, &sent);
         assert!(received >= 2, "the panic came after the first: {received}");
-        assert!(settled.iter().all(|id| sent.contains(id)));
     });
+}
+
+/// A dispatcher with one permit on a hooked in-memory transport, with the
+/// hooks and the in-memory broker behind it.
+fn one_permit_on_hooked() -> (Hooked, MemoryTransport, Rc<Dispatcher<Hooked>>) {
+    let transport = Hooked::default();
+    let (hooks, memory) = (transport.clone(), transport.inner.clone());
+    let dispatcher = Dispatcher::builder()
+        .concurrency(1)
+        .build(transport)
+        .unwrap();
+    (hooks, memory, Rc::new(dispatcher))
+}
+
+/// Checks that `run()` failed on a broken receive and lost nothing: no
+/// permit or message is left, every message taken from "jobs" is settled,
+/// and each was one of `sent`. Returns how many were taken.
+fn failed_on_a_broken_receive(
+    result: &Result<(), Error>,
+    dispatcher: &Dispatcher<Hooked>,
+    memory: &MemoryTransport,
+    sent: &[MessageId],
+) -> usize {
+    assert!(
+        matches!(result, Err(Error::EngineFailed { reason }) if reason.contains("a broken receive")),
+        "{result:?}"
+    );
+    let stats = dispatcher.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0), "{stats:?}");
+    let settled = [memory.acked("jobs"), memory.nacked("jobs")].concat();
+    let received = memory.received_count("jobs") as usize;
+    assert_eq!(settled.len(), received, "every message taken is settled");
+    assert!(settled.iter().all(|id| sent.contains(id)));
+    received
 }
 
 #[test]
@@ -971,15 +990,7 @@ fn a_receive_that_panics_within_a_follow_on_fails_the_dispatcher_and_loses_nothi
 #[test]
 fn a_receive_that_panics_within_a_key_buffers_follow_on_fails_the_dispatcher_and_loses_nothing() {
     run_local(async {
-        let transport = Hooked::default();
-        let hooks = transport.clone();
-        let memory = transport.inner.clone();
-        let dispatcher = Rc::new(
-            Dispatcher::builder()
-                .concurrency(1)
-                .build(transport)
-                .unwrap(),
-        );
+        let (hooks, memory, dispatcher) = one_permit_on_hooked();
         let panicked_before_b1 = Rc::new(std::cell::Cell::new(None));
         let handler = {
             let (hooks, panicked_before_b1) = (hooks.clone(), panicked_before_b1.clone());
@@ -1011,16 +1022,8 @@ fn a_receive_that_panics_within_a_key_buffers_follow_on_fails_the_dispatcher_and
         let result = tokio::time::timeout(Duration::from_secs(10), dispatcher.run())
             .await
             .expect("run() returns");
-        assert!(
-            matches!(&result, Err(Error::EngineFailed { reason }) if reason.contains("a broken receive")),
-            "{result:?}"
-        );
-        let stats = dispatcher.stats();
-        assert_eq!((stats.in_flight, stats.waiting), (0, 0), "{stats:?}");
-        let settled = [memory.acked("jobs"), memory.nacked("jobs")].concat();
-        assert_eq!(memory.received_count("jobs"), 3, "a1, b1 and b2");
-        assert_eq!(settled.len(), 3, "every message taken is settled");
-        assert!(settled.iter().all(|id| sent.contains(id)));
+        let received = failed_on_a_broken_receive(&result, &dispatcher, &memory, &sent);
+        assert_eq!(received, 3, "a1, b1 and b2");
         assert_eq!(
             panicked_before_b1.get(),
             Some(true),
