@@ -95,7 +95,8 @@ impl CloseHandle {
 ///     .await?;
 /// // Month end: reports go first from the next pick on.
 /// reports.set_priority(1)?;
-/// // Later: stop consuming reports; what was received is still handled.
+/// // Later: stop consuming reports; running handlers finish, and messages
+/// // received but not started go back to the broker.
 /// dispatcher.unsubscribe(reports).await?;
 /// # Ok(()) }
 /// ```

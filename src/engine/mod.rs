@@ -489,7 +489,7 @@ impl<T: Transport> Engine<T> {
             self.refill_woken();
         }
         loop {
-            // A one-message slot is refilled within the pick (see
+            // A slot or key buffer is refilled within the pick (see
             // `receive_next`); what the receive needs done besides (a
             // retry to time, a failure) waits until the scheduler is free.
             let mut not_stored = None;
@@ -519,10 +519,9 @@ impl<T: Transport> Engine<T> {
             }
             // Looked at on every path (it is `None` without a refill), so
             // that no drop of it is left after a branch that did not look:
-            // that drop tested its discriminant again, which costs with the
-            // error's layout (5 instructions per message more once
-            // `TransportError::Encrypted` was added). Taken, not moved: a
-            // move in one arm left a drop flag tested at the loop's end
+            // such a drop tests the error's discriminant again (about 5
+            // instructions per message with its layout). Taken, not moved:
+            // a move in one arm leaves a drop flag tested at the loop's end
             // (7 instructions per message).
             if let Some(received) = not_stored.take() {
                 self.after_receive(&subscription, received);
@@ -708,9 +707,9 @@ impl<T: Transport> Engine<T> {
 
     /// [`spare`](Self::spare) when the last box kept is taken: out of line,
     /// as it is rare once messages flow (a job's end keeps its box for the
-    /// refill that follows); inline, the dispatch set up this path's
-    /// constants on every message (out of line, and with the flag of
-    /// `receive_or`: 6 instructions per message fewer, callgrind).
+    /// refill that follows), so that the dispatch does not set up this
+    /// path's constants on every message (6 instructions per message,
+    /// callgrind).
     #[cold]
     #[inline(never)]
     fn spare_from_list(&self) -> MessageBox {
@@ -829,8 +828,8 @@ impl<T: Transport> Engine<T> {
         self.woken.wake_engine();
     }
 
-    /// Turns a handler's outcome into a verdict: publishes the reply, retry
-    /// or dead letter it calls for first, and counts what happened.
+    /// Decides what a handler's outcome calls for, and counts what
+    /// happened.
     ///
     /// Decides at once, without awaiting: what most outcomes need (an ack
     /// or a nack) comes back as [`Action::Settle`]; a reply, retry or dead

@@ -325,8 +325,9 @@ where
 
     /// Waits in the idle list until a job is handed over, or until a
     /// consumer wakes while this worker is the engine's helper, in which
-    /// case it dispatches itself and keeps the message it picks (handing
-    /// the others over, as after a job); `None` once the pool is closed.
+    /// case it dispatches itself and keeps what it picks for its own
+    /// handler (the first to run, the rest queued), handing the others
+    /// over, as after a job; `None` once the pool is closed.
     async fn wait_for_job(&self, inbox: &Rc<Inbox<T>>, engine: &Rc<Engine<T>>) -> Option<Job<T>> {
         loop {
             if self.closed.get() {
@@ -501,8 +502,10 @@ pub(crate) struct Job<T: Transport> {
     engine: Rc<Engine<T>>,
     subscription: Rc<Subscription<T>>,
     /// Taken back into the engine's spares when the job ends (by `drop`,
-    /// the only place that takes it; not an `Option`, whose check every
-    /// read of the message paid).
+    /// the only `ManuallyDrop::take`), or exchanged by
+    /// [`follow_on`](Job::follow_on) for its subscription's next message,
+    /// the ended box going to the slot, key buffer or spares. Not an
+    /// `Option`, whose check every read of the message would pay.
     message: ManuallyDrop<MessageBox>,
     /// Given back to the scheduler when the job ends.
     permit: Option<Permit>,
@@ -510,7 +513,8 @@ pub(crate) struct Job<T: Transport> {
     before_start: BeforeStart,
     finished: bool,
     /// Whether its subscription's next message was next in line at its
-    /// level when this one was picked ([`Pick::next_in_line`]): only then
+    /// level when this one was picked or followed on
+    /// ([`Pick::next_in_line`]): only then
     /// may the job's end take it in place (see [`Job::follow_on`]).
     ///
     /// [`Pick::next_in_line`]: crate::scheduler::Pick::next_in_line
@@ -527,9 +531,9 @@ enum BeforeStart {
     /// had been handed to a worker and not started: it lets such messages
     /// start first.
     WaitForBetter,
-    /// Handed to a worker that has not started it yet: its start is
-    /// counted. (A job handed over waits for no better one: it is not the
-    /// job a worker picked for itself.)
+    /// Handed to a worker, or queued behind the job its picker runs, and
+    /// not started yet: its start is counted. (Such a job waits for no
+    /// better one: only the job a worker picked to run next does.)
     CountHandover,
 }
 

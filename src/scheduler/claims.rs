@@ -87,7 +87,8 @@ impl Claims {
 
     /// Closes the hole at `hole` (a slot whose count just fell to zero, so
     /// already empty), moving back each later entry of the run whose home
-    /// does not lie strictly between the hole and it, so that every entry
+    /// lies outside the cyclic range after the hole up to its own slot (an
+    /// entry at its home stays), so that every entry
     /// stays reachable from its home without a gap; each entry moved
     /// leaves the next hole. Inlined by force into its one caller, where
     /// the first slot after the hole is empty most of the time (the table

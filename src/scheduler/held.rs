@@ -4,8 +4,9 @@
 //!
 //! Unordered and subscription-ordered subscriptions hold one message (the
 //! slot). A key-ordered subscription holds up to its buffer size: messages
-//! whose key is free, in the order they were received, and messages parked
-//! until a message with the same key, dispatched earlier, is released. Keys
+//! whose key is free, in the order they became free, and messages parked
+//! until a message with the same key, dispatched earlier, is released; the
+//! messages of one key stay in the order they were received. Keys
 //! arrive hashed to a `u64`; a message without a key waits for no one.
 
 use std::collections::VecDeque;
@@ -49,7 +50,9 @@ impl<M> Slotted<M> {
 }
 
 pub(super) struct Keyed<M> {
-    /// Messages whose key no earlier message claims, in receive order.
+    /// Messages whose key no earlier message claims, in the order they
+    /// became free: receive order, but that a message unparked by a
+    /// release goes to the back.
     free: VecDeque<Waiting<M>>,
     /// Messages whose key an earlier message, held or in flight, claims, in
     /// receive order.
@@ -209,7 +212,8 @@ impl<M> Keyed<M> {
         handed_out
     }
 
-    /// Free messages go first, then parked ones, each in receive order.
+    /// Free messages go first, then parked ones, each in their queue's
+    /// order.
     fn take_any(&mut self) -> Option<Waiting<M>> {
         if let Some(waiting) = self.free.pop_front() {
             // Nothing of its key is in flight, so it was the key's holder.

@@ -20,7 +20,9 @@
 //!   cannot run;
 //! - `ready_levels` has bit `b` set exactly when level `b`'s ready queue is
 //!   non-empty, so finding the best level with work is a bit scan;
-//! - `available + in_flight == concurrency`, and a message at priority `p`
+//! - `available`, the permits held without a message and the
+//!   subscriptions' in-flight counts add up to `concurrency`, and a message
+//!   at priority `p`
 //!   takes a permit only if more are free than are reserved for levels
 //!   better than `p`;
 //! - two messages of a key-ordered subscription with the same key are never
@@ -94,7 +96,8 @@ impl SubscriptionConfig {
     }
 }
 
-/// Why a message could not be put into its subscription's slot. The message
+/// Why a message could not be put into its subscription's slot or key
+/// buffer. The message
 /// is handed back so that the caller can settle it.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Rejected<M> {
@@ -140,8 +143,9 @@ pub struct Pick<M> {
     pub permit: Permit,
     /// The message.
     pub message: M,
-    /// Whether the refill was called (it is for a one-message slot, and for
-    /// a key buffer when the refill tells keys).
+    /// Whether the refill was called (it is, while the scheduler is open,
+    /// for a one-message slot, and for a key buffer when the refill tells
+    /// keys).
     pub refill_called: bool,
     /// Whether a permit is still free after this pick.
     pub permits_left: bool,
@@ -329,8 +333,8 @@ pub struct HeldPermit(());
 
 // Aligned to a cache line, and small enough to fit in one (with a message
 // of two pointers, as the engine's is): with many subscriptions a pick finds
-// its subscription out of the cache, and then reads one line instead of the
-// two or three its fields spread over before.
+// its subscription out of the cache, and then reads one line, where an
+// unaligned layout would span two or three.
 #[repr(align(64))]
 struct Subscription<M> {
     level: usize,
@@ -368,7 +372,7 @@ pub struct Scheduler<M> {
     subscriptions: Slab<Subscription<M>>,
     /// Sorted by ascending priority value: index 0 is served first.
     levels: Vec<Level>,
-    /// Bit `b` of word `b / 64` is set when level `b` has a ready
+    /// Bit `b % 64` of word `b / 64` is set when level `b` has a ready
     /// subscription.
     ready_levels: Vec<u64>,
     concurrency: usize,
@@ -557,13 +561,14 @@ impl<M> Scheduler<M> {
         self.subscriptions[key.0].held.has_dispatchable()
     }
 
-    /// Puts `message` into the subscription's slot.
+    /// Puts `message` into the subscription's slot or key buffer.
     pub fn try_insert(&mut self, key: SubscriptionKey, message: M) -> Result<(), Rejected<M>> {
         self.try_insert_keyed(key, message, None)
     }
 
-    /// Puts `message` into the subscription's slot; `order_key` is the hash
-    /// of its ordering key (used by [`Ordering::Key`] subscriptions only).
+    /// Puts `message` into the subscription's slot or key buffer;
+    /// `order_key` is the hash of its ordering key (used by
+    /// [`Ordering::Key`] subscriptions only).
     pub fn try_insert_keyed(
         &mut self,
         key: SubscriptionKey,
@@ -668,7 +673,8 @@ impl<M> Scheduler<M> {
         let aging = matches!(self.policy, SchedulingPolicy::Aging(_));
         // The subscription is looked up once: the refill is stored, and its
         // readiness read, through this borrow (`refill` cannot reach the
-        // scheduler); the rest of the pick touches other fields only.
+        // scheduler); the rest of the pick touches other fields only, but
+        // for `pop_ready` clearing `queued` when it is no longer ready.
         let subscription = &mut self.subscriptions[key.0];
         let Some(waiting) = subscription.held.take_next() else {
             nothing_to_run()
@@ -689,8 +695,8 @@ impl<M> Scheduler<M> {
         // A refill that panics must not leave the subscription at the
         // front of its queue with an empty slot, which every later pick
         // would trip on: the queue is put right first (what was stored
-        // before the panic kept), and the pick is lost as before, its
-        // permit with it. (The engine's refill does not panic: it catches
+        // before the panic kept), and the pick is lost, its permit with it
+        // (the unwind drops the `Permit`). (The engine's refill does not panic: it catches
         // a consumer's panic, a transport's bug, and fails the dispatcher,
         // since a lost pick would hold a permit shutdown waits for.) One
         // call of `refill` in the code, for a slot and a key
@@ -776,8 +782,9 @@ impl<M> Scheduler<M> {
         })
     }
 
-    /// [`try_redispatch`](Self::try_redispatch) for a subscription with a
-    /// full slot that is out of the ready queues: whether it is at its
+    /// [`try_redispatch`](Self::try_redispatch) for a subscription that
+    /// holds a message that may run (a full slot, or a free message in its
+    /// key buffer) and is out of the ready queues: whether it is at its
     /// in-flight limit (one at a time, say), so that the release puts it at
     /// the back of its level's queue, and the pick that follows takes it
     /// and no other: nothing is ready at its level or a better one, and
@@ -1009,9 +1016,10 @@ impl<M> Scheduler<M> {
     /// whose next message has the best priority once lowered by its wait,
     /// without limit (ties go to the better level). Priority so works as a
     /// delay: a message goes before the better levels' messages that came
-    /// more than the priority difference (in seconds of aging) after it. A
-    /// wait counted only up to `max_boost` let a better level's backlog,
-    /// whose messages age too, hold a worse level back for good.
+    /// more than the priority difference (in seconds of aging) after it.
+    /// The wait is not capped at `max_boost`: a cap would let a better
+    /// level's backlog, whose messages age too, hold a worse level back for
+    /// good.
     ///
     /// Priorities are compared as their distance from the best level's,
     /// at most `max_boost`: a priority itself as an `f64` loses small gaps
@@ -1043,8 +1051,9 @@ impl<M> Scheduler<M> {
     // ----- ready queues and levels -----
 
     /// Puts a subscription in its level's ready queue if it may run and is
-    /// not there yet. Inlined by force: three calls per message, and out of
-    /// line it cost about 65 instructions per message more (callgrind).
+    /// not there yet. Inlined by force: it is on the path of every insert,
+    /// `try_dispatch` pick and release, and out of line it cost about 65
+    /// instructions per message more (callgrind).
     #[inline(always)]
     fn requeue(&mut self, key: SubscriptionKey) {
         let subscription = &mut self.subscriptions[key.0];
@@ -1069,9 +1078,11 @@ impl<M> Scheduler<M> {
         self.clear_bit_if_idle(level);
     }
 
-    /// [`pop_ready`](Self::pop_ready) inlined by force, for the pick of a
-    /// key buffer, which pops every time (a slot refilled in its pick does
-    /// not pop, and takes the call).
+    /// [`pop_ready`](Self::pop_ready) inlined by force, for
+    /// `dispatch_at` (a `try_dispatch` pick, and a key buffer's pick whose
+    /// refill tells no key), which pops every time (a pick that refills
+    /// pops only when it leaves the subscription not ready, and takes the
+    /// call).
     #[inline(always)]
     fn pop_ready_inline(&mut self, level: usize) -> SubscriptionKey {
         let key = self.levels[level]
@@ -1083,8 +1094,8 @@ impl<M> Scheduler<M> {
         key
     }
 
-    /// Out of line: a slot that its pick emptied for good is the rare case,
-    /// kept off the common path's code.
+    /// Out of line: a subscription that its refilling pick left not ready
+    /// is the rare case, kept off the common path's code.
     #[inline(never)]
     fn pop_ready(&mut self, level: usize) -> SubscriptionKey {
         self.pop_ready_inline(level)
@@ -1180,9 +1191,9 @@ impl<M> Scheduler<M> {
 }
 
 /// A ready bit set for a level whose ready queue is empty: a bug. Cold
-/// and without arguments, as is [`nothing_to_run`]: a pick's two `expect`s
-/// had their panics merged into one call, whose message and location the
-/// pick then prepared on every message (6 instructions, callgrind).
+/// and without arguments, as is [`nothing_to_run`]: two `expect`s in one
+/// pick get their panics merged into one call, whose message and location
+/// the pick would prepare on every message (6 instructions, callgrind).
 #[cold]
 #[inline(never)]
 fn empty_ready_level() -> ! {
