@@ -495,7 +495,8 @@ impl<T: Transport> Dispatcher<T> {
 
     /// Runs until the dispatcher is closed.
     ///
-    /// Starts the readers and the dispatch loop, then waits for shutdown to
+    /// Starts receiving and dispatching (the engine task), then waits for
+    /// shutdown to
     /// finish. Returns `Ok(())` after [`close`](Self::close) was requested
     /// (unless its deadline cancelled handlers,
     /// [`Error::HandlersCancelled`], or closing the connection failed,

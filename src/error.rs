@@ -211,9 +211,10 @@ pub enum Error {
         #[source]
         source: TransportError,
     },
-    /// The broker did not create the consumer (or the producers it
-    /// publishes with) within the subscription's `subscribe_timeout`, for
-    /// example because another consumer holds an Exclusive subscription.
+    /// The broker did not create the consumer within the subscription's
+    /// `subscribe_timeout`, for example because another consumer holds an
+    /// Exclusive subscription (a producer's timeout is
+    /// [`Error::ProducerTimeout`]).
     #[error("subscribing to {topic} (subscription {}) took over {waited:?}: the broker did not accept it in time (another consumer holding an Exclusive subscription is a common cause; the `pulsar` crate logs the broker's answer)", subscription.as_deref().unwrap_or("<generated>"))]
     SubscribeTimeout {
         /// The full topic name.

@@ -7,11 +7,14 @@
 //!
 //! - **Priority**: when a handler may start, the waiting message with the
 //!   lowest priority value goes first; subscriptions of equal priority take
-//!   turns. Priority is decided when capacity frees up, and a running
-//!   handler is never preempted.
+//!   turns (by default; see [`SchedulingPolicy`] and
+//!   [`DispatcherBuilder::reserve`]). Priority is decided when capacity
+//!   frees up, and a running handler is never preempted.
 //! - **Backpressure per subscription**: each subscription holds at most one
-//!   message waiting for dispatch, and its consumer asks the broker for the
-//!   next one only when that slot is empty. With the default receiver queue
+//!   message waiting for dispatch (a key-ordered one, up to its
+//!   [`key_buffer`](SubscribeOptions::key_buffer) while their keys are
+//!   busy), and its consumer asks the broker for the next one only when
+//!   that slot is empty. With the default receiver queue
 //!   of 1, a slow subscription's backlog stays on the broker.
 //! - **One concurrency limit** across all subscriptions (20 by default).
 //! - **Automatic settlement**: a handler that returns `Ok` has its message
@@ -84,8 +87,8 @@
 //! - `compression` (default): the `pulsar` crate's LZ4, zlib, zstd and
 //!   Snappy codecs, so that messages other clients' producers compressed
 //!   are read (Snappy written by Pulsar's other clients excepted: the crate
-//!   reads only its framed format; the README's "Compressed, chunked
-//!   and encrypted messages" says what happens to such a message).
+//!   reads only its framed format; the README's "Schemas, compressed,
+//!   chunked and encrypted messages" says what happens to such a message).
 //! - `anyhow` (default): handlers may return `anyhow::Error` and still be
 //!   routed by [`ErrorClass::of`]: the error an `anyhow::Error` was made
 //!   from and its sources are in the chain a class looks at, under any

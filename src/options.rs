@@ -4,8 +4,9 @@
 //! The options the dispatcher itself interprets (priority, receiver queue
 //! size, negative-ack delay, error routing, replies) have the reference
 //! dispatcher's defaults and are checked together before anything is
-//! created; every consumer option of the `pulsar` crate is passed through
-//! untouched.
+//! created; every consumer option of the `pulsar` crate is passed through,
+//! but `receiver_queue_size` (set from the subscription's own) and the dead
+//! letter policy's topic (made a full name, or defaulted).
 
 use std::num::NonZeroUsize;
 use std::time::Duration;
@@ -243,7 +244,8 @@ impl SubscribeOptions {
     /// The longest a handler may run on one message. Past it, the handler's
     /// future is dropped (so it stops at its next `.await`), the message is
     /// treated as a retryable failure (republished to the retry topic when
-    /// there is one, nacked otherwise), its permit is freed, and a warning
+    /// there is one, dead-lettered once `max_retries` are used up, nacked
+    /// otherwise), its permit is freed, and a warning
     /// names the topic, the message id and the deadline. Off by default.
     pub fn processing_timeout(mut self, limit: Duration) -> Self {
         self.processing_timeout = Some(limit);
@@ -281,7 +283,8 @@ impl SubscribeOptions {
     /// the producers the subscription publishes with (30 s by default).
     /// The broker answers a subscription that another consumer holds
     /// exclusively with "consumer busy", which the `pulsar` crate retries;
-    /// past this limit, `subscribe` fails with [`Error::SubscribeTimeout`].
+    /// past this limit, `subscribe` fails with [`Error::SubscribeTimeout`],
+    /// or [`Error::ProducerTimeout`] naming the producer's topic.
     pub fn subscribe_timeout(mut self, limit: Duration) -> Self {
         self.subscribe_timeout = limit;
         self

@@ -95,7 +95,7 @@ impl Shutdown {
     }
 
     /// Whether [`shutdown`](Self::shutdown) has been called, or a dispatcher
-    /// of the group has failed.
+    /// of the group has stopped.
     pub fn is_shutdown(&self) -> bool {
         *self.command.borrow() == Command::Stop
     }
@@ -103,8 +103,9 @@ impl Shutdown {
 
 /// A group of dispatchers, one per worker thread.
 ///
-/// The group lives and dies together: when one dispatcher stops on its own
-/// (its run failed, or its worker panicked), the others are shut down too.
+/// The group lives and dies together: when one dispatcher's run ends for
+/// any reason (it failed, was closed through its own handle, or its worker
+/// panicked), the others are shut down too.
 #[must_use = "the dispatchers run until shut down; call `join` to wait for them"]
 pub struct PerCore {
     workers: Vec<JoinHandle<Result<(), Error>>>,

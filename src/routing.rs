@@ -3,12 +3,16 @@
 //! A success is acked, after its reply (if any) has been published. A
 //! failure is classified: a *fatal* error sends the message to a dead letter
 //! topic, a *retry* error republishes it to the retry topic with a broker
-//! delay, anything else (and any panic) nacks it. Republished messages keep
+//! delay, anything else (and any panic) nacks it; a handler past its
+//! processing deadline is treated as a retryable failure. Republished
+//! messages keep
 //! payload, properties, keys and event time, and carry the property names
 //! Pulsar's Java client uses (RECONSUMETIMES, REAL_TOPIC, ORIGIN_MESSAGE_ID,
 //! DELAY_TIME) plus the Python dispatcher's DEAD_LETTER_TOPIC. The original is
-//! acked only once the republish has succeeded. Producers are created per
-//! topic on first use and shared.
+//! acked only once the republish has succeeded. A subscription's retry,
+//! dead letter and reply producers are created when it subscribes, and
+//! shared; those only a DEAD_LETTER_TOPIC property names are created on
+//! first use (at most `UNUSED_PRODUCERS` of them kept unused).
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};

@@ -130,8 +130,9 @@ impl<T: Transport> Engine<T> {
         self.woken.wake_engine();
     }
 
-    /// Does what is due (held nacks, receive retries, the shutdown
-    /// deadline) and sets the timer for what comes next.
+    /// Does what is due (held nacks, receive retries, the shutdown deadline
+    /// and its publish grace, metrics publishing) and sets the timer for
+    /// what comes next.
     ///
     /// The clock is read only when the timer has fired or something was
     /// added to what it covers: an engine poll otherwise costs no clock
@@ -308,8 +309,7 @@ impl<T: Transport> Engine<T> {
     /// Once nothing waits or runs: ends the workers, sends held nacks,
     /// closes the consumers, then the producers and the connection.
     ///
-    /// Each step runs whatever the steps before it did, as the original's
-    /// last one does: a transport that panics (a bug) in a nack or a close
+    /// Each step runs whatever the steps before it did: a transport that panics (a bug) in a nack or a close
     /// fails the dispatcher, and the rest still closes, the connection
     /// last.
     async fn shut_down(&self) {

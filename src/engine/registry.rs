@@ -21,8 +21,9 @@ use crate::transport::{Consumer, Transport};
 
 impl<T: Transport> Engine<T> {
     /// Creates a consumer for every spec, then registers them all at once,
-    /// with one handler. If any creation fails, or the dispatcher started or
-    /// closed in the meantime, closes what it created and registers nothing.
+    /// with one handler. If any creation fails, or in the meantime the
+    /// dispatcher began to close or the same subscription was registered,
+    /// closes what it created and registers nothing.
     pub(crate) async fn subscribe_all<F, R, E>(
         &self,
         specs: Vec<SubscriptionSpec>,

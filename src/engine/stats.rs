@@ -4,8 +4,9 @@
 //!
 //! Each counter is a `Cell` bumped where the event happens (a plain add on
 //! one thread); reading them copies them into plain structs. The counters
-//! are listed once, in `counters!`, which makes the live counters, their
-//! fields in [`SubscriptionStats`], their sum, and their metric names.
+//! are listed in `counters!` (and named again, in memory order, in its
+//! `layout`), which makes the live counters, their fields in
+//! [`SubscriptionStats`], their sum, and their metric names.
 
 use std::cell::Cell;
 use std::time::Duration;
@@ -16,8 +17,9 @@ use crate::transport::Repairs;
 /// matching fields of [`SubscriptionStats`] (after its other fields), how
 /// to copy and sum them, and the metric name of each. `layout` names the
 /// same counters again, in the order of the live cells in memory; a name
-/// missing from it, or one too many, does not compile (a missing cell
-/// cannot be copied, an extra one is never read).
+/// missing from it does not compile (its cell cannot be copied), and one
+/// too many is a cell never read, a dead-code warning that `cargo xtask
+/// lint` refuses.
 macro_rules! counters {
     (
         $(#[$stats_meta:meta])*
@@ -192,7 +194,8 @@ pub struct DispatcherStats {
     pub subscriptions: Vec<SubscriptionStats>,
     /// Handlers running now.
     pub in_flight: usize,
-    /// Messages held in subscriptions, waiting for a permit.
+    /// Messages held in subscriptions, waiting for a permit (or for their
+    /// key).
     pub waiting: usize,
     /// The concurrency limit.
     pub concurrency: usize,

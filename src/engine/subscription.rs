@@ -302,8 +302,8 @@ impl<T: Transport> Subscription<T> {
     /// message was stored, and passes anything else to `not_stored`.
     /// Inline (a message is received on every dispatch); the failure state
     /// and every outcome but a message are handled out of line. A flag,
-    /// not a `Received`: the stored case and the out-of-line outcomes
-    /// merged into one `Received`, written to memory to be matched again.
+    /// not a `Received`: a `Received` would merge the stored case with the
+    /// out-of-line outcomes, written to memory to be matched again.
     #[inline(always)]
     pub(crate) fn receive_or(
         &self,
@@ -388,7 +388,7 @@ impl<T: Transport> Subscription<T> {
     /// consumer works again, though no message may come to show it for a
     /// long time (an idle topic after a broker restart). The spell's count
     /// stays until it ends quietly: a partition whose stream keeps ending
-    /// backs off and meets the limit as before.
+    /// backs off and meets the limit, its spell's count kept.
     fn pending_while_failing(&self) {
         let mut failures = self.failures.borrow_mut();
         failures.answered_since_error = true;
@@ -491,7 +491,8 @@ impl<T: Transport> Subscription<T> {
     /// partition subscribing again); a consumer that has gone the longer of
     /// the limit and `RECEIVE_QUIET_MIN` without one worked meanwhile, even
     /// if no message came to show it. Without this, one old error and a
-    /// long idle time made the next error count as a failure all along.
+    /// long idle time would make the next error count as a failure all
+    /// along.
     fn still_failing(&self, failures: &ReceiveFailures, now: Instant) -> bool {
         let quiet = self.receive_failure_limit.max(RECEIVE_QUIET_MIN);
         failures
@@ -742,9 +743,10 @@ impl<T: Transport> Subscription<T> {
         }
     }
 
-    /// Whether its consumer delivers, when it last received (to within a
-    /// publishing interval), and how many of its handlers run past their
-    /// deadline.
+    /// Whether its consumer delivers, when it last received (to within the
+    /// metrics publishing interval; with metrics off, to within the time
+    /// since the previous `health()` call), and how many of its handlers
+    /// run past their deadline.
     pub(crate) fn health(&self, now: Instant) -> SubscriptionHealth {
         self.note_received(self.counters.received.get(), now);
         let failing = self.failing.get() && {

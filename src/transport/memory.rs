@@ -3,12 +3,14 @@
 //! Topics are queues in memory. A consumer takes from its topic's queue; a
 //! nack puts the message back at the front of what waits, with its
 //! redelivery count raised;
-//! every publish, ack and nack is logged so that tests can assert on them
+//! every publish through a producer, and every ack and nack, is logged so
+//! that tests can assert on them
 //! (compactly: a log entry names the topic by index and the message id by
 //! its parts, so logging an ack clones nothing), until a long run clears
 //! the log.
-//! Failures can be injected (a subscribe, producer creation or close that
-//! fails, a consumer stream that ends). Receiving, acking and nacking a
+//! Failures can be injected (a subscribe that fails or hangs; failing
+//! receives, publishes, acks and nacks, producer creation or close; a
+//! consumer stream that ends). Receiving, acking and nacking a
 //! message with an empty payload allocates nothing in steady state, which
 //! keeps the benchmarks about the dispatcher.
 
@@ -117,7 +119,7 @@ struct Broker {
     topics: RefCell<HashMap<String, Rc<Topic>, TrustedHashing>>,
     /// Full topic names, by the index records name them with.
     names: RefCell<Vec<Rc<str>>>,
-    /// Every publish, ack and nack, in order.
+    /// Every publish through a producer, ack and nack, in order.
     log: RefCell<Vec<Record>>,
     next_entry: Cell<u64>,
     producers_created: RefCell<Vec<String>>,
@@ -141,8 +143,8 @@ impl Broker {
 // In C order, what each receive and ack touches first, so that with many
 // topics a message finds those fields in two cache lines: aligned to a
 // line, they start one (the `Rc`'s counts, which no message touches, keep
-// the line before to themselves), where from an allocation aligned to 16
-// their 104 bytes took three lines most of the time.
+// the line before to themselves); from an allocation aligned only to 16,
+// as an `Rc`'s otherwise is, their 104 bytes would usually span three.
 #[derive(Default)]
 #[repr(C, align(64))]
 struct Topic {
@@ -286,8 +288,8 @@ impl MemoryTransport {
         self.send_message(topic, OutgoingMessage::new(payload))
     }
 
-    /// Appends `message` to `topic`, as a producer would. The delivery time
-    /// is recorded but not waited for.
+    /// Appends `message` to `topic`, as a producer would. A delivery time
+    /// is ignored: the message waits like any other.
     pub fn send_message(&self, topic: &str, message: OutgoingMessage) -> MessageId {
         let topic = self.topic(topic);
         let id = self.next_id();
@@ -350,7 +352,7 @@ impl MemoryTransport {
         }
     }
 
-    /// Every publish, ack and nack so far (since the last
+    /// Every publish through a producer, ack and nack so far (since the last
     /// [`clear_events`](Self::clear_events)), in order.
     pub fn events(&self) -> Vec<Event> {
         let names = self.broker.names.borrow();
@@ -405,7 +407,7 @@ impl MemoryTransport {
         self.topic(topic).received.get()
     }
 
-    /// Messages waiting on `topic`, not yet received by any consumer.
+    /// Messages waiting on `topic` to be delivered, redeliveries included.
     pub fn backlog_len(&self, topic: &str) -> usize {
         let topic = self.topic(topic);
         let waiting = topic.queue.borrow().len() - topic.delivered.get();

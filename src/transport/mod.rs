@@ -215,14 +215,17 @@ pub trait Consumer: 'static {
     ) -> Poll<Option<Result<(), TransportError>>>;
 
     /// Acknowledges a message. Does not wait for the broker: the
-    /// acknowledgement is queued, in order, for the connection.
+    /// acknowledgement is queued, in order, for the connection (a transport
+    /// may hold it first, e.g. until the rest of its batch is settled).
     fn ack(&mut self, id: &MessageId) -> Result<(), TransportError>;
 
     /// Asks for a message to be redelivered; queued like [`ack`](Self::ack).
     fn nack(&mut self, id: &MessageId) -> Result<(), TransportError>;
 
     /// Closes the consumer once every ack and nack queued earlier has been
-    /// passed on. Messages received and not settled go back to the broker.
+    /// passed on where the consumer can (what it cannot pass on is
+    /// delivered again: duplicates, not losses). Messages received and not
+    /// settled go back to the broker.
     async fn close(&mut self) -> Result<(), TransportError>;
 
     /// What the consumer did on its own to keep delivery whole; all zero

@@ -59,7 +59,8 @@ const RESUBSCRIBE_RETRY: Duration = Duration::from_secs(1);
 const STALL_CHECK_LIMIT: Duration = Duration::from_secs(5);
 
 /// What it takes to subscribe a partition: the client, the subscription's
-/// spec, and the broker sockets to turn Nagle's algorithm off on.
+/// spec, and the broker sockets, to turn Nagle's algorithm off on and to
+/// notice lost connections on.
 pub(super) struct Subscriber {
     pub(super) client: Pulsar<TokioExecutor>,
     pub(super) spec: ConsumerSpec,
@@ -216,11 +217,12 @@ pub(super) struct Partition {
     /// The partition's own topic name, shared by every message from it.
     pub(super) topic: Rc<str>,
     state: State,
-    /// Settlements made while the consumer is being replaced or checked:
-    /// (id, ack?).
+    /// Settlements made while the consumer is being replaced, lent to a
+    /// stall check, or once its engine has stopped: (id, ack?).
     pending: Vec<(MessageIdData, bool)>,
-    /// Its last outage: when its stream ended (the crate gave up on its
-    /// connection), and when it was subscribed again, if it is yet.
+    /// Its last outage: when its consumer was first found stopped (a
+    /// settlement refused, its stream ended, or its engine reported an
+    /// error), and when it was subscribed again, if it is yet.
     outage: Option<Outage>,
     /// On a persistent Failover subscription with the check on.
     stall: Option<StallCheck>,
@@ -397,7 +399,8 @@ impl Partition {
         self.stall.as_ref().map_or(0, |stall| stall.rewound)
     }
 
-    /// When its stream ended, while it is being subscribed again.
+    /// When its consumer was first found stopped, while it is being
+    /// subscribed again.
     pub(super) fn resubscribing_since(&self) -> Option<tokio::time::Instant> {
         match self.state {
             State::Resubscribing(_) => self.outage.map(|outage| outage.ended),
@@ -441,8 +444,8 @@ impl Partition {
     }
 
     /// Acks (or nacks) an entry; kept for the new consumer while the
-    /// partition is being subscribed again, or once its consumer's engine
-    /// has stopped.
+    /// consumer is being replaced, lent to a stall check, or once its
+    /// engine has stopped.
     pub(super) fn settle(&mut self, id: MessageIdData, ack: bool) -> Result<(), TransportError> {
         if let (false, Some(stall)) = (ack, &mut self.stall) {
             stall.rewinding();

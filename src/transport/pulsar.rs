@@ -265,8 +265,9 @@ fn remembered_acks(receiver_queue_size: u32, partitions: usize) -> usize {
     RECENT_ACKS + 2 * receiver_queue_size as usize * partitions
 }
 
-/// How many redeliveries of acked entries one receive skips before it lets
-/// other tasks run.
+/// How many received messages one receive may pass over without handing
+/// one out (chunks held, acked entries delivered again, second copies,
+/// batch members settled before) before it lets other tasks run.
 const SKIPS_PER_RECEIVE: usize = 256;
 
 impl std::fmt::Debug for PulsarConsumer {
@@ -328,15 +329,16 @@ impl PulsarConsumer {
     }
 
     /// Whether the message is a second copy of one still being handled,
-    /// which a rewind delivered again (see `rewind`); otherwise it is handed
-    /// out from here on.
+    /// which a reconnection (any subscription type) or a nack's rewind
+    /// delivered again (see `rewind`); otherwise it is handed out from here
+    /// on.
     fn is_being_handled(&mut self, id: &MessageId) -> bool {
         let Some(rewinds) = &mut self.rewinds else {
             return false;
         };
         let handed_out = rewinds.received(id);
         if !handed_out {
-            tracing::debug!(message_id = %id, "a rewind delivered again a message still being handled; dropped");
+            tracing::debug!(message_id = %id, "the broker delivered again a message still being handled; dropped");
         }
         !handed_out
     }
@@ -437,7 +439,8 @@ impl PulsarConsumer {
     }
 
     /// The next message of any partition with the other chunks it was put
-    /// together from, if it was chunked; `None` for a chunk held.
+    /// together from, if it was chunked; `None` for a chunk held, or a
+    /// chunk of an acked message, acked again.
     fn poll_next_partition(
         &mut self,
         cx: &mut Context<'_>,
@@ -470,7 +473,8 @@ impl PulsarConsumer {
     }
 
     /// The message received, whole: with the other chunks it was put
-    /// together from, or `None` while its chunks are arriving; an error
+    /// together from, or `None` while its chunks are arriving (or for a
+    /// chunk of an acked message, acked again); an error
     /// for a message that cannot be read (encrypted), left unsettled.
     fn convert(
         &mut self,

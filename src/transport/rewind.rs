@@ -82,7 +82,8 @@ pub(super) struct RewindCheck {
     /// Whether a nack rewinds the subscription (Exclusive and Failover), so
     /// that an idle consumer that nacked rewinds once more.
     rewinding: bool,
-    /// Per partition, a message nacked there since the last check (the
+    /// Per partition, a message nacked there since the last repeated
+    /// rewind (the
     /// broker rewinds the whole partition whichever id a request names).
     nacked: Vec<Option<MessageIdData>>,
     idle_since: Pin<Box<Sleep>>,
@@ -112,8 +113,9 @@ impl RewindCheck {
     }
 
     /// A message arrived: whether to hand it out. Not a second copy of one
-    /// still being handled: a rewind delivered it again, and the copy being
-    /// handled settles it.
+    /// still being handled: a reconnection (any subscription type) or a
+    /// nack's rewind delivered it again, and the copy being handled settles
+    /// it.
     pub(super) fn received(&mut self, id: &MessageId) -> bool {
         self.armed = false;
         if !self.unsettled.insert(position(id)) {
@@ -235,7 +237,8 @@ impl StallCheck {
         self.unreadable += 1;
     }
 
-    /// The partition asked for a rewind (a nack, on Failover): the broker
+    /// The partition asked for a rewind (a nack) or is being subscribed
+    /// again: the broker
     /// delivers everything unacknowledged again, unreadable messages too.
     pub(super) fn rewinding(&mut self) {
         self.unreadable = 0;
