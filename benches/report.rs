@@ -39,16 +39,8 @@
 //! no priority inversion.
 //!
 //! `--profile WHAT [--messages N]` runs one workload once (for
-//! `valgrind --tool=callgrind`; 50,000 messages unless N says otherwise):
-//! `ours`, `ours-k1000`, `ours-k1000-l16`, `ours-keyed` (64 keys, key
-//! ordering), `ours-keyed-unordered`, `ours-info` and `ours-prometheus`
-//! (ours with an `info` subscriber or a Prometheus recorder installed),
-//! `floor`, `plain`, `mt`, `idle`,
-//! `open-loop-<percent>`, `inversion`, `per-core-<n>`, `features` (this
-//! section of the report at its quick sizes); on the broker,
-//! `e2e-q<N>` (ours then the plain loop at receiver queue N) and
-//! `e2e-ours`, `e2e-raw`, `e2e-transport` (one run of 20,000 messages at
-//! receiver queue 1000).
+//! `valgrind --tool=callgrind`; 50,000 messages unless N says otherwise);
+//! the commands table of docs/benchmarks.md lists the workloads.
 
 mod support;
 
@@ -1739,8 +1731,8 @@ fn profile(what: &str, messages: usize) {
             }
             panic!(
                 "unknown profile target {other}; use ours, ours-large-future, ours-k<subs>[-l<levels>] (e.g. ours-k1000-l16), floor, \
-                 plain, plain-k<subs>, mt, side-by-side, ours-keyed, ours-keyed-unordered, ours-info, ours-prometheus, features, idle, lone, bursts-<n>, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
-                 e2e-ours, e2e-raw or e2e-transport"
+                 plain, plain-k<subs>, mt, side-by-side, ours-keyed, ours-keyed-unordered, ours-ordered, ours-info, ours-prometheus, features, idle, lone, bursts-<n>, open-loop-<pct>, inversion, per-core-<n>, e2e-q<N>, \
+                 e2e-ours, e2e-raw, e2e-raw-cumulative, e2e-transport or e2e-latency"
             )
         }
     };
