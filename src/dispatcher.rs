@@ -537,7 +537,8 @@ impl<T: Transport> Dispatcher<T> {
 
     /// Like [`close`](Self::close), but cancels the handlers still running
     /// after `limit` (their messages are nacked) and closes all the same;
-    /// returns how many handlers were cancelled. A reply, retry or dead
+    /// returns how many handlers were cancelled (messages handed to a
+    /// worker and not started yet count too). A reply, retry or dead
     /// letter being published at `limit` for a handler that had returned
     /// gets [`PUBLISH_GRACE`](crate::PUBLISH_GRACE) more. A limit beyond
     /// [`MAX_DURATION`](crate::MAX_DURATION) is cut to it.

@@ -280,7 +280,8 @@ pub enum Error {
     /// nacked.
     #[error("shutdown cancelled {cancelled} handler(s) still running at its deadline")]
     HandlersCancelled {
-        /// How many handlers were cancelled.
+        /// How many handlers were cancelled (messages handed to a worker
+        /// and not started yet count too).
         cancelled: usize,
     },
     /// `run()` refused to start because of retry topic problems (see
