@@ -378,7 +378,14 @@ mod tests {
         let original = Message::new("t", MessageId::new(1, 1, -1, None), Vec::new())
             .with_property("a", "1")
             .with_partition_key("k");
-        let changed = original.clone().with_property("b", "2").with_event_time(7);
+        let same = |a: &Message, b: &Message| match (&a.metadata, &b.metadata) {
+            (Some(a), Some(b)) => Rc::ptr_eq(a, b),
+            _ => false,
+        };
+        let clone = original.clone();
+        assert!(same(&clone, &original), "a clone shares the metadata");
+        let changed = clone.with_property("b", "2").with_event_time(7);
+        assert!(!same(&changed, &original), "a change copies it first");
         assert_eq!(original.properties().count(), 1);
         assert_eq!(original.event_time(), None);
         assert_eq!(changed.property("a"), Some("1"));

@@ -25,8 +25,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use common::{
-    admin_request, close_and_join, fresh_topic, is_topic_or_partition, run_local, start,
-    unique_name, wait_for_empty_backlog, wait_for_stats, wait_until, TopicKind,
+    close_and_join, fresh_topic, is_topic_or_partition, run_local, start, unique_name,
+    wait_for_empty_backlog, wait_for_stats, wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
 use tokio::sync::Notify;
@@ -762,12 +762,14 @@ fn no_settled_member_runs_again(kind: TopicKind, subscription_type: SubType) {
 /// a batch must therefore clear every member the crate handed out, or,
 /// one delay after a batch was handled and acked, the crate rewinds the
 /// subscription under the message then being handled. Timeline (the delay
-/// is 4 s, the crate checks every 0.5 s): the batch is handled at 0 s,
-/// a lone message arrives at 2 s and is held until 5.2 s, before its own
-/// delay ends (6 s at the earliest); a stale batch member would fire
-/// between 4 and 4.5 s, while it is held.
+/// is 8 s, the crate checks every 0.5 s): the batch is handled at 0 s, a
+/// lone message is published at 4 s and must be held before 8 s; it is
+/// held until 10 s, before its own delay ends (12 s at the earliest); a
+/// stale batch member would fire between 8 and 8.5 s, while it is held.
+/// The margins (4 s to publish, 1.5 s after the stale member's check, 2 s
+/// before the held message's own) leave room for a loaded machine.
 fn the_ack_timeout_leaves_an_acked_batch_alone(kind: TopicKind) {
-    const DELAY: Duration = Duration::from_secs(4);
+    const DELAY: Duration = Duration::from_secs(8);
     run_local(Duration::from_secs(90), async {
         let topic = fresh_topic("ack-timeout", kind);
         let subscription = unique_name("sub");
@@ -804,7 +806,7 @@ fn the_ack_timeout_leaves_an_acked_batch_alone(kind: TopicKind) {
             ..Default::default()
         };
         common::publish(&held_on, [held]).await;
-        tokio::time::sleep_until(batch_handled + DELAY + Duration::from_millis(1200)).await;
+        tokio::time::sleep_until(batch_handled + DELAY + Duration::from_secs(2)).await;
         // Held before a stale batch member would fire, or the test shows
         // nothing.
         let held_since = holding.held_since.get().expect("the held message arrived");
@@ -844,16 +846,18 @@ fn every_message_of_a_non_persistent_topic_is_handled() {
             for partitions in [0, 3] {
                 let name = unique_name("non-persistent");
                 let topic = format!("non-persistent://public/default/{name}");
-                if partitions > 0 {
-                    let path = format!("/admin/v2/non-persistent/public/default/{name}/partitions");
-                    let (status, body) =
-                        admin_request("PUT", &path, Some(&partitions.to_string())).unwrap();
-                    assert!((200..300).contains(&status), "HTTP {status}: {body}");
-                }
+                let kind = match partitions {
+                    0 => TopicKind::Plain,
+                    partitions => {
+                        common::create_partitioned_topic(&topic, partitions);
+                        TopicKind::Partitioned(partitions)
+                    }
+                };
                 let dispatcher = common::dispatcher().await;
                 let seen = Seen::default();
+                let subscription = unique_name("sub");
                 let options = SubscribeOptions::new()
-                    .subscription(unique_name("sub"))
+                    .subscription(&subscription)
                     .subscription_type(subscription_type)
                     // The broker drops what a non-persistent consumer has
                     // no room for: room for all of them.
@@ -863,12 +867,25 @@ fn every_message_of_a_non_persistent_topic_is_handled() {
                     .await
                     .unwrap();
                 let run = start(&dispatcher);
-                // Non-persistent messages go only to consumers already there.
-                wait_until("the consumer", Duration::from_secs(10), || {
-                    dispatcher.health().is_ready()
-                })
+                // Non-persistent messages go only to consumers already
+                // there, with room: the broker must list a consumer with
+                // permits on every partition.
+                wait_until(
+                    "the consumers, with permits",
+                    Duration::from_secs(10),
+                    || {
+                        dispatcher.health().is_ready()
+                            && common::consumers_by_partition(&topic, kind, &subscription)
+                                .iter()
+                                .all(|consumers| {
+                                    !consumers.is_empty()
+                                        && consumers
+                                            .iter()
+                                            .all(|c| c["availablePermits"].as_i64() > Some(0))
+                                })
+                    },
+                )
                 .await;
-                tokio::time::sleep(Duration::from_millis(300)).await;
                 let messages = || common::keyed_messages(50, 7);
                 common::publish(&topic, messages().take(25)).await;
                 common::publish_batched(&topic, 5, messages().skip(25)).await;

@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::rc::Rc;
@@ -19,6 +19,7 @@ use common::{
     run_local, start, unique_name, wait_for_empty_backlog, wait_until, TopicKind,
 };
 use pulsar_dispatcher::{Dispatcher, Message, SubType, SubscribeOptions};
+use tokio::sync::Notify;
 
 const PARTITIONS: u32 = 3;
 
@@ -385,7 +386,6 @@ fn an_unload_while_messages_are_handled_runs_no_handler_twice() {
 }
 
 async fn handle_through_an_unload(subscription_type: SubType) {
-    // Enough that the unload lands while messages are in flight.
     const MESSAGES: usize = 400;
     let topic = fresh_topic("unloaded", TopicKind::Partitioned(PARTITIONS));
     let subscription = unique_name("unloaded-sub");
@@ -395,6 +395,11 @@ async fn handle_through_an_unload(subscription_type: SubType) {
     let running: Rc<RefCell<BTreeSet<usize>>> = Rc::default();
     let at_once: Rc<RefCell<BTreeSet<usize>>> = Rc::default();
     let (counts, now, twice_at_once) = (handled.clone(), running.clone(), at_once.clone());
+    // Closed around the unload, so that it lands while messages are in
+    // flight: the handlers then running finish only once it is done.
+    let gate_closed: Rc<Cell<bool>> = Rc::default();
+    let gate_opened: Rc<Notify> = Rc::default();
+    let (closed, opened) = (gate_closed.clone(), gate_opened.clone());
     dispatcher
         .subscribe(
             &topic,
@@ -404,6 +409,9 @@ async fn handle_through_an_unload(subscription_type: SubType) {
                     twice_at_once.borrow_mut().insert(n);
                 }
                 tokio::time::sleep(Duration::from_millis(20 + (n as u64 % 4) * 10)).await;
+                while closed.get() {
+                    opened.notified().await;
+                }
                 now.borrow_mut().remove(&n);
                 *counts.borrow_mut().entry(n).or_default() += 1;
                 Ok::<_, Infallible>(())
@@ -422,12 +430,15 @@ async fn handle_through_an_unload(subscription_type: SubType) {
         handled.borrow().len() >= 50
     })
     .await;
+    gate_closed.set(true);
     let unloaded = topic.clone();
     tokio::task::spawn_blocking(move || {
         common::unload(&unloaded, TopicKind::Partitioned(PARTITIONS))
     })
     .await
     .unwrap();
+    gate_closed.set(false);
+    gate_opened.notify_waiters();
     wait_until("every message handled", Duration::from_secs(60), || {
         handled.borrow().len() >= MESSAGES
     })

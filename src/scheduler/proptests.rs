@@ -677,9 +677,13 @@ proptest! {
         keys in proptest::collection::vec(0u64..3, 40),
     ) {
         let first = TwinOp::Add { priority: 0, limit: None, ordering: 1 };
-        let fed = keys.into_iter().map(|key| TwinOp::Insert { subscription: 0, key: Some(key) });
-        // The key buffer's messages among the other operations.
-        let mixed = ops.into_iter().zip(fed).flat_map(|(op, insert)| [insert, op]);
+        let fed = keys
+            .into_iter()
+            .map(|key| Some(TwinOp::Insert { subscription: 0, key: Some(key) }))
+            .chain(std::iter::repeat_with(|| None));
+        // The key buffer's messages among the other operations, every
+        // operation kept (the later ones without a feed between them).
+        let mixed = ops.into_iter().zip(fed).flat_map(|(op, insert)| insert.into_iter().chain([op]));
         check_twins(concurrency, None, std::iter::once(first).chain(mixed).collect())?;
     }
 }

@@ -1062,8 +1062,9 @@ fn a_nack_that_panics_as_a_job_is_cancelled_still_returns_its_permit() {
 
 /// A consumer whose close panics (a transport's bug), at shutdown, at a
 /// close before `run()` and at an unsubscribe: the other consumer and the
-/// connection are still closed, and the dispatcher reports the panic (and
-/// shuts down) rather than hang.
+/// connection are still closed, and rather than hang, `run()` reports the
+/// panic (and the dispatcher shuts down); a close before `run()` has no
+/// `run()` to report to, and closes the rest all the same.
 #[test]
 fn a_consumer_close_that_panics_still_closes_the_rest() {
     run_local(async {

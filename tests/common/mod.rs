@@ -148,12 +148,17 @@ pub fn unique_topic(prefix: &str) -> String {
     format!("persistent://public/default/{}", unique_name(prefix))
 }
 
-/// `public/default/foo` for `persistent://public/default/foo` or `foo`.
+/// The admin API's path of a topic: `persistent/public/default/foo` for
+/// `persistent://public/default/foo` or `foo`, `non-persistent/...` for a
+/// non-persistent one.
 fn topic_path(topic: &str) -> String {
+    if let Some(rest) = topic.strip_prefix("non-persistent://") {
+        return format!("non-persistent/{rest}");
+    }
     match topic.strip_prefix("persistent://") {
-        Some(rest) => rest.to_string(),
-        None if topic.contains('/') => topic.to_string(),
-        None => format!("public/default/{topic}"),
+        Some(rest) => format!("persistent/{rest}"),
+        None if topic.contains('/') => format!("persistent/{topic}"),
+        None => format!("persistent/public/default/{topic}"),
     }
 }
 
@@ -191,7 +196,7 @@ pub fn fresh_topic(prefix: &str, kind: TopicKind) -> String {
 /// from `spawn_blocking` inside a runtime.
 pub fn unload(topic: &str, kind: TopicKind) {
     for name in partition_names(topic, kind) {
-        let path = format!("/admin/v2/persistent/{}/unload", topic_path(&name));
+        let path = format!("/admin/v2/{}/unload", topic_path(&name));
         let (status, body) = admin_request("PUT", &path, None)
             .unwrap_or_else(|e| panic!("PUT {}{path}: {e}", web_url()));
         assert_eq!(status, 204, "unloading {name}: {body}");
@@ -207,10 +212,7 @@ pub fn delete_topic(topic: &str, kind: TopicKind) {
         TopicKind::Plain => "",
         TopicKind::Partitioned(_) => "/partitions",
     };
-    let path = format!(
-        "/admin/v2/persistent/{}{which}?force=true",
-        topic_path(topic)
-    );
+    let path = format!("/admin/v2/{}{which}?force=true", topic_path(topic));
     let (status, body) = admin_request("DELETE", &path, None)
         .unwrap_or_else(|e| panic!("DELETE {}{path}: {e}", web_url()));
     assert_eq!(status, 204, "deleting {topic}: {body}");
@@ -220,17 +222,32 @@ pub fn delete_topic(topic: &str, kind: TopicKind) {
 /// the topic itself if it is plain), as the broker reports them; 0 where
 /// the topic or the subscription does not exist. Blocks.
 pub fn consumers_per_partition(topic: &str, kind: TopicKind, subscription: &str) -> Vec<usize> {
+    consumers_by_partition(topic, kind, subscription)
+        .iter()
+        .map(Vec::len)
+        .collect()
+}
+
+/// The broker's stats of each consumer `subscription` has, per partition
+/// of `topic` (the topic itself if it is plain); none where the topic or
+/// the subscription does not exist. Blocks.
+pub fn consumers_by_partition(
+    topic: &str,
+    kind: TopicKind,
+    subscription: &str,
+) -> Vec<Vec<serde_json::Value>> {
     partition_names(topic, kind)
         .iter()
         .map(|name| {
-            let path = format!("/admin/v2/persistent/{}/stats", topic_path(name));
+            let path = format!("/admin/v2/{}/stats", topic_path(name));
             let stats: serde_json::Value = match http_get(&path) {
                 Ok((200, body)) => serde_json::from_str(&body).unwrap_or_default(),
                 _ => serde_json::Value::Null,
             };
             stats["subscriptions"][subscription]["consumers"]
                 .as_array()
-                .map_or(0, Vec::len)
+                .cloned()
+                .unwrap_or_default()
         })
         .collect()
 }
@@ -266,7 +283,7 @@ pub fn reset_cursor_to_entry(topic: &str, subscription: &str, ledger: u64, entry
 /// Posts a cursor reset: to `resetcursor` followed by `suffix`, with `body`.
 fn post_reset(topic: &str, subscription: &str, suffix: &str, body: Option<&str>) {
     let path = format!(
-        "/admin/v2/persistent/{}/subscription/{subscription}/resetcursor{suffix}",
+        "/admin/v2/{}/subscription/{subscription}/resetcursor{suffix}",
         topic_path(topic)
     );
     let (status, answer) = admin_request("POST", &path, body)
@@ -317,7 +334,7 @@ pub fn add_partitions(topic: &str, partitions: u32) {
 
 /// `PUT` (create) or `POST` (raise) the partition count of `topic`.
 fn set_partitions(method: &str, topic: &str, partitions: u32) {
-    let path = format!("/admin/v2/persistent/{}/partitions", topic_path(topic));
+    let path = format!("/admin/v2/{}/partitions", topic_path(topic));
     let (status, body) = admin_request(method, &path, Some(&partitions.to_string()))
         .unwrap_or_else(|e| panic!("{method} {}{path}: {e}", web_url()));
     assert!(
@@ -328,7 +345,7 @@ fn set_partitions(method: &str, topic: &str, partitions: u32) {
 
 /// How many partitions the broker says `topic` has (0: not partitioned).
 pub fn partition_count(topic: &str) -> u64 {
-    let path = format!("/admin/v2/persistent/{}/partitions", topic_path(topic));
+    let path = format!("/admin/v2/{}/partitions", topic_path(topic));
     let (status, body) = http_get(&path).unwrap_or_else(|e| panic!("GET {}{path}: {e}", web_url()));
     assert_eq!(status, 200, "GET {}{path}: {body}", web_url());
     let metadata: serde_json::Value = serde_json::from_str(&body).expect("partition metadata JSON");
@@ -361,7 +378,7 @@ pub fn topic_stats(topic: &str) -> serde_json::Value {
     } else {
         "stats"
     };
-    let path = format!("/admin/v2/persistent/{}/{which}", topic_path(topic));
+    let path = format!("/admin/v2/{}/{which}", topic_path(topic));
     let (status, body) = http_get(&path).unwrap_or_else(|e| panic!("GET {}{path}: {e}", web_url()));
     assert_eq!(status, 200, "GET {}{path}: {body}", web_url());
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("stats of {topic} are not JSON: {e}"))
@@ -950,8 +967,7 @@ impl HeldBacklog {
 /// consumers that subscribe from then on. Blocks; call it from
 /// `spawn_blocking`.
 pub fn allow_subscription_types(topic: &str, types: &[&str]) {
-    let name = topic.trim_start_matches("persistent://");
-    let path = format!("/admin/v2/persistent/{name}/subscriptionTypesEnabled");
+    let path = format!("/admin/v2/{}/subscriptionTypesEnabled", topic_path(topic));
     let body = serde_json::to_string(types).unwrap();
     let (status, answer) = admin_request("POST", &path, Some(&body)).unwrap();
     assert!(
