@@ -1,7 +1,8 @@
 //! Prometheus metrics and a health endpoint for a dispatcher.
 //!
-//! Installs the `metrics-exporter-prometheus` recorder (before subscribing:
-//! the dispatcher registers its metrics at subscribe) and serves, on
+//! Installs the `metrics-exporter-prometheus` recorder (before the
+//! dispatcher is built: its permits gauge is registered then, and each
+//! subscription's metrics at subscribe) and serves, on
 //! `127.0.0.1:METRICS_PORT` (default 9464):
 //!
 //! - `/metrics`: the Prometheus text exposition of every metric;
@@ -83,7 +84,8 @@ fn main() -> Result<(), Box<dyn Error>> {
             );
         }));
     }
-    // First the recorder: the dispatcher registers its metrics at subscribe.
+    // First the recorder: the dispatcher registers its permits gauge when it
+    // is built, and each subscription's metrics at subscribe.
     // Latency histograms are rendered as summaries with these quantiles.
     let prometheus = PrometheusBuilder::new()
         .set_quantiles(&[0.5, 0.99])?

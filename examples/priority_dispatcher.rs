@@ -133,8 +133,8 @@ async fn run(url: String, demo_messages: Option<usize>) -> Result<(), Box<dyn st
                 while done.settled.get() < total {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                // Let the last confirmations and acks go out.
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // The close waits for the last handlers, their
+                // confirmations and their acks.
                 closer.close().await;
             });
         }

@@ -4,8 +4,9 @@
 //!
 //! Arrival to handler start is measured from outside the library: the
 //! arrival loop (a task on the same `LocalSet`) sends message `i` once it is
-//! due, and the handler stamps the time it starts into slot `i` (the
-//! message's entry id, which the in-memory broker counts from 0). Lateness
+//! due, and the handler stamps the time it starts into slot `i`: its entry
+//! id less the warm-up messages sent before the run (the in-memory broker
+//! counts entry ids from 0). Lateness
 //! is the start stamp minus the due time, so a dispatcher that falls behind
 //! is charged for every message it delays, including those the arrival
 //! loop could not send on time because the thread was busy.
@@ -200,8 +201,8 @@ pub fn kept_up(lateness: &[u64]) -> bool {
 /// of the range from a third of `backlog_rate` to all of it, at which ours
 /// keeps up with the open-loop arrival loop ([`kept_up`]). It is the rate
 /// the open-loop loads are shares of, so that "ours keeps up" is part of
-/// what a load point means (in runs 14 to 16 it was 0.83-0.99x the
-/// backlog rate; how far the machine's speed drifts decides where in that
+/// what a load point means (measured so far at 0.83-0.99x the backlog
+/// rate; how far the machine's speed drifts decides where in that
 /// range). Must be called inside a `LocalSet`.
 pub async fn ours_sustained_rate(backlog_rate: f64, messages: usize, steps: u32) -> f64 {
     let (mut kept, mut lost) = (backlog_rate / 3.0, backlog_rate);
@@ -843,8 +844,8 @@ pub fn check_analysis() {
             .map(|(at, &seen)| (at as u64, seen))
             .collect()
     };
-    // A low message dispatched between the send and the receive: the
-    // count that started at the receive missed it.
+    // A low message dispatched between the high message's send and its
+    // receive counts as an inversion: the wait starts at the send.
     let picked_before_taken = log(&[
         LowReceived,
         HighSent,

@@ -9,8 +9,9 @@
 //! open-loop latency, priority inversions, one dispatcher per core) and on
 //! the broker (client CPU, rate, allocations and latency against a plain
 //! `pulsar` loop and the Python original), prints a table of the targets
-//! and writes `target/bench-report.json`. With `--criterion` it then runs the criterion
-//! suites (`cargo bench --bench dispatch`), whose HTML reports land in
+//! and writes `target/bench-report.json`. With `--criterion` it then runs,
+//! if the comparison succeeded, the criterion suites (`cargo bench --bench
+//! dispatch`), whose HTML reports land in
 //! `target/criterion/`. Stops the broker if it started one.
 
 use std::time::Instant;

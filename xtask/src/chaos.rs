@@ -1531,8 +1531,8 @@ fn target_failures(
 
 /// The most the worker's resident memory may grow while it handles the
 /// second half of the memory scenario's messages. The allocator's steps
-/// up to its high-water mark stay well below it (at most 0.3 MiB in three
-/// runs at `ee5884f` and after); a leak of 21 bytes a message over
+/// up to its high-water mark stay well below it (measured at most
+/// 0.3 MiB); a leak of 21 bytes a message over
 /// 100,000 messages crosses it.
 const SECOND_HALF_GROWTH_LIMIT_KIB: u64 = 2 * 1024;
 

@@ -40,7 +40,7 @@ commands:
                    start a broker if needed and run the benchmark comparison
                    (`cargo bench --bench report`): table on stdout, figures in
                    target/bench-report.json; --quick takes fewer samples;
-                   --criterion also runs the criterion suites (`--bench dispatch`)
+                   --criterion then runs the criterion suites (`--bench dispatch`), if the comparison succeeded
   chaos [--quick] [--only NAME,..] [--debug]
                    start a broker if needed and run the fault-injection suite
                    (mixed, sigkill, close, close-exclusive, broker-kill,
