@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 use std::cell::{Cell, RefCell};
+use std::collections::BTreeSet;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io::Write;
@@ -920,8 +921,6 @@ impl HeldBacklog {
                 tokio::task::spawn_blocking(move || allow_subscription_types(&topic, &types))
             };
             allow(vec![other_type]).await.unwrap();
-            // Time for the policy to reach the topic's broker.
-            tokio::time::sleep(Duration::from_secs(2)).await;
             take_away(topic.clone(), kind).await;
             held.release();
             wait_until(
@@ -963,9 +962,11 @@ impl HeldBacklog {
 }
 
 /// Allows only `types` of subscription on `topic` (a topic policy), as an
-/// operator does through the admin API; the broker refuses the others to
-/// consumers that subscribe from then on. Blocks; call it from
-/// `spawn_blocking`.
+/// operator does through the admin API, and waits until the broker answers
+/// with it: topic policies travel through a system topic to the broker's
+/// cache, which both that answer and a subscribe read; the broker refuses
+/// the other types to consumers that subscribe from then on. Blocks; call
+/// it from `spawn_blocking`.
 pub fn allow_subscription_types(topic: &str, types: &[&str]) {
     let path = format!("/admin/v2/{}/subscriptionTypesEnabled", topic_path(topic));
     let body = serde_json::to_string(types).unwrap();
@@ -974,4 +975,18 @@ pub fn allow_subscription_types(topic: &str, types: &[&str]) {
         (200..300).contains(&status),
         "POST {path}: HTTP {status}: {answer}"
     );
+    let wanted: BTreeSet<&str> = types.iter().copied().collect();
+    let begun = Instant::now();
+    loop {
+        let (status, answer) = http_get(&path).unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        let applied: Vec<String> = serde_json::from_str(&answer).unwrap_or_default();
+        if status == 200 && applied.iter().map(String::as_str).collect::<BTreeSet<_>>() == wanted {
+            return;
+        }
+        assert!(
+            begun.elapsed() < Duration::from_secs(30),
+            "the broker still answers {answer} (HTTP {status}) for {path}, not {types:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
