@@ -3,7 +3,8 @@
 //! A backoff is any `Fn(u32) -> Duration`, called with the number of the
 //! retry about to be scheduled (1 for a message's first retry). The two
 //! curves here cost the same for retry 1 and retry `u32::MAX` and never
-//! overflow: the exponent is applied in floating point and capped.
+//! overflow: whether a delay reaches the maximum is decided in logarithms,
+//! and the power is computed in floating point only below it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -129,7 +130,7 @@ mod tests {
 
     #[test]
     fn curves_at_their_edges_neither_panic_nor_flatten_early() {
-        // A zero start stays zero, whatever the retry (it was 0 × ∞).
+        // A zero start stays zero, whatever the retry (never 0 × ∞).
         let from_zero = exponential_backoff(Duration::ZERO, 2.0, Duration::from_secs(10)).unwrap();
         assert_eq!(from_zero(1025), Duration::ZERO);
         assert_eq!(from_zero(u32::MAX), Duration::ZERO);
@@ -144,8 +145,8 @@ mod tests {
             (steep(1), steep(2)),
             (Duration::from_secs(1), Duration::from_secs(9))
         );
-        // A multiplier near 1 keeps growing past retry 1,100 (an exponent
-        // cap there flattened it at 3.0 s).
+        // A multiplier near 1 keeps growing past retry 1,100: the exponent
+        // is not capped.
         let gentle =
             exponential_backoff(Duration::from_secs(1), 1.001, Duration::from_secs(300)).unwrap();
         let at_2000 = gentle(2000).as_secs_f64();

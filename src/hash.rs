@@ -33,7 +33,7 @@ pub(crate) fn hash_key(bytes: &[u8]) -> u64 {
 
 /// The last 1 to 7 bytes of a key as a little-endian word padded with
 /// zeros, as copying them into a zeroed word gives, read with fixed-size
-/// loads: the copy, of variable length, cost a call to `memcpy` per key.
+/// loads, which avoid a variable-length copy (a `memcpy` call per key).
 /// Two overlapping loads of 4 bytes cover 4 to 7 bytes, three loads of 1
 /// cover 1 to 3.
 fn tail_word(tail: &[u8]) -> u64 {
@@ -82,10 +82,10 @@ impl std::hash::Hasher for TrustedHasher {
     }
 
     fn write_u64(&mut self, word: u64) {
-        // One cheap step per word, from a state that is never zero going
-        // in (a zero state would let leading zero fields vanish). Each
-        // step is a bijection of the state for a given word and of the
-        // word for a given state, so keys of the same fields never collide
+        // One cheap step per word, the state offset by `ODD` first (a zero
+        // state would let leading zero fields vanish). Each step is a
+        // bijection of the state for a given word and of the word for a
+        // given state, so keys that differ in a single field never collide
         // before `finish`, which mixes once for the table's bits.
         self.0 = absorb(self.0.wrapping_add(ODD), word);
     }

@@ -23,8 +23,8 @@ pub fn full_topic_name(name: &str) -> Result<String, Error> {
         if domain != "persistent" && domain != "non-persistent" {
             return Err(invalid("the domain must be persistent or non-persistent"));
         }
-        // Four parts were the old names with a cluster, which brokers no
-        // longer take.
+        // Exactly tenant/namespace/topic: the four-part form with a
+        // cluster is not accepted by brokers.
         if rest.split('/').count() != 3 || rest.split('/').any(str::is_empty) {
             return Err(invalid("expected <domain>://<tenant>/<namespace>/<topic>"));
         }

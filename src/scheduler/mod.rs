@@ -30,7 +30,7 @@
 //!
 //! Picks allocate nothing and do not look at every subscription: one bit
 //! scan and one pop, plus, for [`SchedulingPolicy::Aging`], one look per
-//! level within the aging bound of the best.
+//! level within the aging's `max_boost` of the best.
 
 mod claims;
 mod held;

@@ -134,7 +134,8 @@ impl Aging {
     }
 
     /// How long a message waits for the largest boost (`Duration::MAX`
-    /// where that is longer than a `Duration` holds).
+    /// where that is longer than a `Duration` holds); `None` when
+    /// `per_second` is 0, as nothing then ages.
     pub fn bound(&self) -> Option<Duration> {
         (self.per_second > 0.0).then(|| {
             Duration::try_from_secs_f64(self.max_boost as f64 / self.per_second)

@@ -1,6 +1,7 @@
 //! The in-memory transport with hooks for what it cannot do itself: acks
-//! that panic (a bug in the dispatcher's own path after a handler),
-//! consumer closes that take a while, a part of the consumer (a
+//! and nacks that panic (a bug in the dispatcher's own path after a
+//! handler), receives and consumer closes that panic, consumer closes that
+//! take a while, a part of the consumer (a
 //! partition) that has stopped delivering and is subscribed again later,
 //! messages that cannot be read,
 //! producers whose creation is
