@@ -147,6 +147,34 @@ mod tests {
     }
 
     #[test]
+    fn a_table_holds_the_keys_it_is_sized_for_without_growing_past_half_full() {
+        for keys in 1..=40u64 {
+            let mut claims = Claims::with_room(keys as usize);
+            let size = claims.slots.len();
+            assert!(size >= 2 * keys as usize, "{keys} keys in {size} slots");
+            for key in 0..keys {
+                assert_eq!(claims.claim(key.wrapping_mul(0x9e37_79b9_7f4a_7c15)), 1);
+            }
+            assert_eq!(claims.slots.len(), size, "{keys} keys grew the table");
+        }
+    }
+
+    #[test]
+    fn a_key_sits_in_its_home_slot_when_that_is_free() {
+        let mut claims = Claims::with_room(4);
+        // Claimed in reverse, so that a probe from any other start would
+        // put them elsewhere.
+        for key in (0..4u64).rev() {
+            claims.claim(key);
+        }
+        for key in 0..4u64 {
+            let at = claims.find(key);
+            assert_eq!(at, key as usize, "key {key}");
+            assert_eq!((claims.slots[at].key, claims.slots[at].count), (key, 1));
+        }
+    }
+
+    #[test]
     fn more_keys_than_sized_for_grow_the_table() {
         let mut claims = Claims::with_room(2);
         for key in 0..100 {
