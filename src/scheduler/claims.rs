@@ -179,6 +179,12 @@ mod tests {
         let mut claims = Claims::with_room(2);
         for key in 0..100 {
             assert_eq!(claims.claim(key * 8), 1);
+            assert!(
+                claims.len * 2 <= claims.slots.len(),
+                "{} keys in {} slots: more than half full",
+                claims.len,
+                claims.slots.len()
+            );
         }
         for key in 0..100 {
             assert_eq!(claims.unclaim(key * 8), 0);
