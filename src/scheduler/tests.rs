@@ -843,6 +843,69 @@ fn a_subscription_at_its_in_flight_limit_redispatches_when_its_next_message_woul
     assert!(s.is_idle());
 }
 
+/// A key-ordered subscription holding up to `key_buffer` messages, one of
+/// them in flight at a time.
+fn add_keyed_one_at_a_time(s: &mut Scheduler<&'static str>, key_buffer: usize) -> SubscriptionKey {
+    s.add(SubscriptionConfig {
+        ordering: Ordering::Key,
+        key_buffer,
+        max_in_flight: NonZeroUsize::new(1),
+        ..SubscriptionConfig::new(0)
+    })
+}
+
+/// At its in-flight limit, a key buffer that a re-dispatch leaves holding
+/// only a parked message has nothing next in line: nothing it holds may
+/// run when the permit comes back.
+#[test]
+fn a_key_buffer_at_its_limit_left_with_a_parked_message_has_nothing_next_in_line() {
+    let mut s = scheduler(2);
+    let keyed = add_keyed_one_at_a_time(&mut s, 2);
+    for (message, key) in [("a1", 1), ("b1", 2)] {
+        s.try_insert_keyed(keyed, message, Some(key)).unwrap();
+    }
+    let (mut permit, first) = s.try_dispatch().unwrap();
+    assert_eq!(first, "a1");
+    // At its limit, b1 waits out of the ready queues; a1's end hands it
+    // the permit, and b2, received in its place, waits behind it.
+    let (taken, next_in_line) = exchange_keyed(
+        s.try_redispatch(&mut permit)
+            .expect("b1 is next at its limit"),
+        "b2",
+        Some(2),
+    );
+    assert_eq!(taken, "b1");
+    assert!(!next_in_line, "b2 waits for b1's key: nothing held may run");
+    assert!(s.try_redispatch(&mut permit).is_none(), "b2 is parked");
+    s.release(permit);
+    let (permit, last) = s.try_dispatch().expect("b1's end freed b2");
+    assert_eq!(last, "b2");
+    s.release(permit);
+    assert!(s.is_idle());
+}
+
+/// The same for a pick whose refill leaves the key buffer, at its limit,
+/// holding only a parked message.
+#[test]
+fn a_key_buffer_at_its_limit_refilled_with_a_parked_message_has_nothing_next_in_line() {
+    let mut s = scheduler(2);
+    let keyed = add_keyed_one_at_a_time(&mut s, 1);
+    s.try_insert_keyed(keyed, "a1", Some(1)).unwrap();
+    let mut refills = vec![Told("a2", Some(1))];
+    let pick = s.try_dispatch_refilling(|_| refills.pop()).unwrap();
+    assert_eq!(pick.message, "a1");
+    assert!(pick.refill_called && refills.is_empty());
+    assert!(
+        !pick.next_in_line,
+        "a2 waits for a1's key: nothing held may run"
+    );
+    s.release(pick.permit);
+    let (permit, next) = s.try_dispatch().expect("a1's end freed a2");
+    assert_eq!(next, "a2");
+    s.release(permit);
+    assert!(s.is_idle());
+}
+
 #[test]
 fn a_key_buffer_redispatches_as_a_release_and_a_pick_would() {
     let mut s = scheduler(1);
