@@ -508,14 +508,14 @@ fn end_both(
         match left.next() {
             Some(RefilledWithKey(next)) => {
                 let mut message = next;
-                redispatch.exchange(
+                let next_in_line = redispatch.exchange(
                     |waiting| std::mem::swap(waiting, &mut message),
                     |&stored| key_of(stored),
                     || left.next(),
                 );
-                message
+                (message, Some(next_in_line))
             }
-            None => redispatch.take(),
+            None => (redispatch.take(), None),
         }
     });
     let taken = refills - left.len();
@@ -523,7 +523,7 @@ fn end_both(
     let mut plain_left = supply();
     let plain_pick = plain.try_dispatch_refilling(|_| plain_left.next());
     let plain_taken = refills - plain_left.len();
-    let Some(message) = redispatched else {
+    let Some((message, next_in_line)) = redispatched else {
         prop_assert_eq!(taken, 0, "no re-dispatch, no refill");
         // Then the caller ends the message as usual.
         redispatching.release(permit);
@@ -546,6 +546,9 @@ fn end_both(
         shown(&permit, message),
         shown(&plain_pick.permit, plain_pick.message)
     );
+    if let Some(next_in_line) = next_in_line {
+        prop_assert_eq!(next_in_line, plain_pick.next_in_line, "next in line");
+    }
     if plain_pick.permits_left {
         // A dispatch round would pick on: it must find nothing, so that
         // the re-dispatch, which picks one, is the whole round.
