@@ -269,7 +269,8 @@ fn deliver_at_time_holds_a_message_until_it_is_due() {
             deliver_at - received_at
         );
         eprintln!(
-            "delayed message: due at +5000 ms, received at +{} ms",
+            "delayed message: due at +{} ms, received at +{} ms",
+            deliver_at - sent_at,
             received_at - sent_at
         );
         consumer.ack(&msg).await.unwrap();
