@@ -312,12 +312,7 @@ pub fn ensure_namespace(namespace: &str) {
         if status == 204 || status == 409 {
             continue;
         }
-        let exists = (0..50).any(|attempt| {
-            if attempt > 0 {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            matches!(http_get(&path), Ok((200, _)))
-        });
+        let exists = get_until(&path, 50, |status, _| status == 200).is_ok();
         assert!(exists, "PUT {path}: HTTP {status}: {answer}");
     }
 }
@@ -976,17 +971,29 @@ pub fn allow_subscription_types(topic: &str, types: &[&str]) {
         "POST {path}: HTTP {status}: {answer}"
     );
     let wanted: BTreeSet<&str> = types.iter().copied().collect();
-    let begun = Instant::now();
-    loop {
-        let (status, answer) = http_get(&path).unwrap_or_else(|e| panic!("GET {path}: {e}"));
-        let applied: Vec<String> = serde_json::from_str(&answer).unwrap_or_default();
-        if status == 200 && applied.iter().map(String::as_str).collect::<BTreeSet<_>>() == wanted {
-            return;
-        }
-        assert!(
-            begun.elapsed() < Duration::from_secs(30),
-            "the broker still answers {answer} (HTTP {status}) for {path}, not {types:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
+    let applied = get_until(&path, 300, |status, answer| {
+        let applied: Vec<String> = serde_json::from_str(answer).unwrap_or_default();
+        status == 200 && applied.iter().map(String::as_str).collect::<BTreeSet<_>>() == wanted
+    });
+    if let Err(last) = applied {
+        panic!("the broker still answers {last} for {path}, not {types:?}");
     }
+}
+
+/// GETs `path` up to `attempts` times, 100 ms apart, until `done` holds of
+/// the answer (status, body); `Err` with the last answer (or error) if it
+/// never does. Blocks.
+fn get_until(path: &str, attempts: u32, done: impl Fn(u16, &str) -> bool) -> Result<(), String> {
+    let mut last = String::new();
+    for attempt in 0..attempts {
+        if attempt > 0 {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        match http_get(path) {
+            Ok((status, answer)) if done(status, &answer) => return Ok(()),
+            Ok((status, answer)) => last = format!("HTTP {status}: {answer}"),
+            Err(error) => last = format!("GET failed: {error}"),
+        }
+    }
+    Err(last)
 }
