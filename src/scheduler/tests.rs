@@ -240,6 +240,12 @@ fn key_ordering_runs_keys_concurrently_but_never_one_key_twice() {
         Some("none"),
         "no key, no wait"
     );
+    let holds_key: Vec<bool> = permits.iter().map(Permit::holds_key).collect();
+    assert_eq!(
+        holds_key,
+        [true, true, false],
+        "a message without a key holds none"
+    );
     release_first(&mut s, &mut permits);
     assert_eq!(dispatch(&mut s, &mut permits), Some("a2"));
     assert!(!s.is_idle() && s.waiting() == 0);
@@ -939,4 +945,22 @@ fn a_key_buffer_redispatches_as_a_release_and_a_pick_would() {
     assert!(s.try_redispatch(&mut permit).is_none(), "nothing is held");
     s.release(permit);
     assert!(s.is_idle());
+}
+
+#[test]
+fn debug_shows_the_counts_not_the_messages() {
+    let mut s = scheduler(2);
+    let a = s.add_subscription(1);
+    s.add_subscription(2);
+    s.try_insert(a, "secret").unwrap();
+    let shown = format!("{s:?}");
+    assert!(
+        shown.contains("subscriptions: 2, levels: 2, waiting: 1, in_flight: 0, concurrency: 2"),
+        "{shown}"
+    );
+    let (permit, _) = s.try_dispatch().unwrap();
+    let shown = format!("{s:?}");
+    assert!(shown.contains("waiting: 0, in_flight: 1"), "{shown}");
+    assert!(!shown.contains("secret"), "{shown}");
+    s.release(permit);
 }
