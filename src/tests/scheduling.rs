@@ -290,50 +290,73 @@ fn the_ordering_key_goes_before_the_partition_key() {
     });
 }
 
+/// Key `a`'s handlers wait for a gate; `b` and `c`, received after `a`'s
+/// three messages, run meanwhile: from a backlog at subscribe (no new
+/// arrival wakes the subscription; the pick's refill takes them) and when
+/// they arrive in one go while `a0` runs (the woken subscription's refill
+/// takes past the parked `a1` and `a2`).
 #[test]
 fn a_busy_key_does_not_hold_back_the_keys_received_after_it() {
-    run_local(async {
-        let (dispatcher, transport) = dispatcher(10);
-        // A backlog at subscribe: no new arrival will wake the reader.
-        let mut sent = Vec::new();
-        for (n, key) in ["a", "a", "a", "b", "c"].iter().enumerate() {
-            let message = OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key);
+    for backlog_at_subscribe in [true, false] {
+        run_local(busy_key_with_others_behind(backlog_at_subscribe));
+    }
+}
+
+async fn busy_key_with_others_behind(backlog_at_subscribe: bool) {
+    let (dispatcher, transport) = dispatcher(10);
+    let messages = ["a", "a", "a", "b", "c"]
+        .iter()
+        .enumerate()
+        .map(|(n, key)| OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key));
+    let mut sent = Vec::new();
+    let mut later = Vec::new();
+    for message in messages {
+        if backlog_at_subscribe || sent.is_empty() {
+            sent.push(transport.send_message("orders", message));
+        } else {
+            later.push(message);
+        }
+    }
+    let gate = Gate::default();
+    let log = Log::default();
+    let (wait, record) = (gate.clone(), log.clone());
+    dispatcher
+        .subscribe(
+            "orders",
+            async move |message: &Message| {
+                if message.partition_key() == Some("a") {
+                    wait.wait().await;
+                }
+                let name = String::from_utf8_lossy(message.payload()).into_owned();
+                record.borrow_mut().push(name);
+                Ok::<_, Infallible>(())
+            },
+            options(1).ordering(Ordering::Key).key_buffer(4),
+        )
+        .await
+        .unwrap();
+    let dispatcher = Rc::new(dispatcher);
+    let run = spawn_run(&dispatcher);
+    if !later.is_empty() {
+        settle_down().await;
+        assert_eq!(dispatcher.stats().in_flight, 1, "a0 runs");
+        for message in later {
             sent.push(transport.send_message("orders", message));
         }
-        let gate = Gate::default();
-        let log = Log::default();
-        let (wait, record) = (gate.clone(), log.clone());
-        dispatcher
-            .subscribe(
-                "orders",
-                async move |message: &Message| {
-                    if message.partition_key() == Some("a") {
-                        wait.wait().await;
-                    }
-                    let name = String::from_utf8_lossy(message.payload()).into_owned();
-                    record.borrow_mut().push(name);
-                    Ok::<_, Infallible>(())
-                },
-                options(1).ordering(Ordering::Key).key_buffer(4),
-            )
-            .await
-            .unwrap();
-        let dispatcher = Rc::new(dispatcher);
-        let run = spawn_run(&dispatcher);
-        // A guard against a hang, not a timing goal.
-        let others = tokio::time::timeout(
-            std::time::Duration::from_secs(30),
-            transport.wait_acked("orders", 2),
-        )
-        .await;
-        assert!(others.is_ok(), "b and c waited behind the busy key a");
-        assert_eq!(transport.acked("orders"), sent[3..]);
-        gate.open();
-        transport.wait_acked("orders", 5).await;
-        assert_eq!(*log.borrow(), ["b3", "c4", "a0", "a1", "a2"]);
-        dispatcher.close().await;
-        run.await.unwrap().unwrap();
-    });
+    }
+    // A guard against a hang, not a timing goal.
+    let others = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        transport.wait_acked("orders", 2),
+    )
+    .await;
+    assert!(others.is_ok(), "b and c waited behind the busy key a");
+    assert_eq!(transport.acked("orders"), sent[3..]);
+    gate.open();
+    transport.wait_acked("orders", 5).await;
+    assert_eq!(*log.borrow(), ["b3", "c4", "a0", "a1", "a2"]);
+    dispatcher.close().await;
+    run.await.unwrap().unwrap();
 }
 
 #[test]
