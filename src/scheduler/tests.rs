@@ -500,11 +500,16 @@ fn a_held_permit_is_no_one_elses_until_given_back() {
         s.try_dispatch().is_none(),
         "a held permit is not dispatched"
     );
-    assert_eq!(s.in_flight(), 1);
+    assert_eq!(
+        (s.in_flight(), s.running()),
+        (1, 0),
+        "a held permit is taken but runs nothing"
+    );
     assert!(!s.is_idle(), "shutdown waits for a held permit too");
     s.unhold(held);
     let (permit, message) = s.try_dispatch().expect("the permit is back");
     assert_eq!(message, "a");
+    assert_eq!((s.in_flight(), s.running()), (1, 1));
     s.release(permit);
     assert!(s.is_idle());
 }
