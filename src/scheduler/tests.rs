@@ -308,6 +308,31 @@ fn weighted_levels_share_dispatches_by_weight() {
     assert_eq!(order, "hhhlhhhlhhhl");
 }
 
+/// A level removed in the middle of another level's turn (here the best
+/// one, so the levels after it are renumbered) leaves that turn as it was.
+#[test]
+fn removing_a_level_mid_turn_keeps_the_turn() {
+    let policy = SchedulingPolicy::Weighted(Weights::new().level(1, 3).level(2, 1));
+    let mut s = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy);
+    let idle = s.add_subscription(0);
+    let high = s.add_subscription(1);
+    let low = s.add_subscription(2);
+    let mut order = String::new();
+    s.try_insert(high, "h").unwrap();
+    s.try_insert(low, "l").unwrap();
+    for round in 0..8 {
+        if round == 2 {
+            assert!(s.remove_subscription(idle));
+        }
+        let (permit, message) = s.try_dispatch().unwrap();
+        order.push_str(message);
+        let key = permit.subscription();
+        s.release(permit);
+        s.try_insert(key, message).unwrap();
+    }
+    assert_eq!(order, "hhhlhhhl");
+}
+
 #[test]
 fn a_weighted_level_without_work_gives_its_turn_away() {
     let policy = SchedulingPolicy::Weighted(Weights::new().level(1, 5));
