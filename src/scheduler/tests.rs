@@ -40,6 +40,17 @@ fn release_first(s: &mut Scheduler<&'static str>, permits: &mut Vec<Permit>) {
     s.release(permits.remove(0));
 }
 
+/// Dispatches one message, ends it at once and puts the same message back
+/// into its subscription, which so stays backlogged and joins the back of
+/// its level's line. Returns the message.
+fn serve_and_refill(s: &mut Scheduler<&'static str>) -> &'static str {
+    let (permit, message) = s.try_dispatch().expect("a message is waiting");
+    let key = permit.subscription();
+    s.release(permit);
+    s.try_insert(key, message).unwrap();
+    message
+}
+
 #[test]
 fn lower_priority_value_is_served_first_whatever_the_insertion_order() {
     let mut s = scheduler(10);
@@ -83,16 +94,7 @@ fn equal_priorities_take_turns_while_all_stay_busy() {
     for (key, name) in keys.iter().zip(names) {
         s.try_insert(*key, name).unwrap();
     }
-    let mut order = Vec::new();
-    for _ in 0..6 {
-        let (permit, name) = s.try_dispatch().expect("a message is waiting");
-        order.push(name);
-        // The served subscription refills at once and so joins the back
-        // of the line.
-        let key = permit.subscription();
-        s.release(permit);
-        s.try_insert(key, name).unwrap();
-    }
+    let order: Vec<_> = (0..6).map(|_| serve_and_refill(&mut s)).collect();
     assert_eq!(order, ["a", "b", "c", "a", "b", "c"]);
 }
 
@@ -295,16 +297,9 @@ fn weighted_levels_share_dispatches_by_weight() {
     let mut s = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy);
     let high = s.add_subscription(1);
     let low = s.add_subscription(2);
-    let mut order = String::new();
     s.try_insert(high, "h").unwrap();
     s.try_insert(low, "l").unwrap();
-    for _ in 0..12 {
-        let (permit, message) = s.try_dispatch().unwrap();
-        order.push_str(message);
-        let key = permit.subscription();
-        s.release(permit);
-        s.try_insert(key, message).unwrap();
-    }
+    let order: String = (0..12).map(|_| serve_and_refill(&mut s)).collect();
     assert_eq!(order, "hhhlhhhlhhhl");
 }
 
@@ -317,19 +312,11 @@ fn removing_a_level_mid_turn_keeps_the_turn() {
     let idle = s.add_subscription(0);
     let high = s.add_subscription(1);
     let low = s.add_subscription(2);
-    let mut order = String::new();
     s.try_insert(high, "h").unwrap();
     s.try_insert(low, "l").unwrap();
-    for round in 0..8 {
-        if round == 2 {
-            assert!(s.remove_subscription(idle));
-        }
-        let (permit, message) = s.try_dispatch().unwrap();
-        order.push_str(message);
-        let key = permit.subscription();
-        s.release(permit);
-        s.try_insert(key, message).unwrap();
-    }
+    let mut order: String = (0..2).map(|_| serve_and_refill(&mut s)).collect();
+    assert!(s.remove_subscription(idle));
+    order.extend((2..8).map(|_| serve_and_refill(&mut s)));
     assert_eq!(order, "hhhlhhhl");
 }
 
