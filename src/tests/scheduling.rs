@@ -304,19 +304,20 @@ fn a_busy_key_does_not_hold_back_the_keys_received_after_it() {
 
 async fn busy_key_with_others_behind(backlog_at_subscribe: bool) {
     let (dispatcher, transport) = dispatcher(10);
-    let messages = ["a", "a", "a", "b", "c"]
+    let mut messages: Vec<_> = ["a", "a", "a", "b", "c"]
         .iter()
         .enumerate()
-        .map(|(n, key)| OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key));
-    let mut sent = Vec::new();
-    let mut later = Vec::new();
-    for message in messages {
-        if backlog_at_subscribe || sent.is_empty() {
-            sent.push(transport.send_message("orders", message));
-        } else {
-            later.push(message);
-        }
-    }
+        .map(|(n, key)| OutgoingMessage::new(format!("{key}{n}")).with_partition_key(*key))
+        .collect();
+    let later = if backlog_at_subscribe {
+        Vec::new()
+    } else {
+        messages.split_off(1)
+    };
+    let mut sent: Vec<_> = messages
+        .into_iter()
+        .map(|message| transport.send_message("orders", message))
+        .collect();
     let gate = Gate::default();
     let log = Log::default();
     let (wait, record) = (gate.clone(), log.clone());
