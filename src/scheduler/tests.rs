@@ -291,16 +291,31 @@ fn a_removed_subscription_frees_its_key_and_level() {
     assert_eq!(dispatch(&mut s, &mut permits), Some("b"));
 }
 
-#[test]
-fn weighted_levels_share_dispatches_by_weight() {
-    let policy = SchedulingPolicy::Weighted(Weights::new().level(1, 3).level(2, 1));
+/// The order in which `dispatches` messages are served, one at a time,
+/// from two backlogged subscriptions weighted by `weights`: "h" at
+/// priority 1, "l" at priority 2.
+fn weighted_order(weights: Weights, dispatches: usize) -> String {
+    let policy = SchedulingPolicy::Weighted(weights);
     let mut s = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy);
     let high = s.add_subscription(1);
     let low = s.add_subscription(2);
     s.try_insert(high, "h").unwrap();
     s.try_insert(low, "l").unwrap();
-    let order: String = (0..12).map(|_| serve_and_refill(&mut s)).collect();
-    assert_eq!(order, "hhhlhhhlhhhl");
+    (0..dispatches).map(|_| serve_and_refill(&mut s)).collect()
+}
+
+#[test]
+fn weighted_levels_share_dispatches_by_weight() {
+    let weights = Weights::new().level(1, 3).level(2, 1);
+    assert_eq!(weighted_order(weights, 12), "hhhlhhhlhhhl");
+}
+
+/// Levels not named take the `others` weight, which leaves the named
+/// levels' weights as they were.
+#[test]
+fn levels_not_named_take_the_others_weight() {
+    let weights = Weights::new().level(2, 1).others(3);
+    assert_eq!(weighted_order(weights, 8), "hhhlhhhl");
 }
 
 /// A level removed in the middle of another level's turn (here the best
