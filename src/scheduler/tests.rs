@@ -442,6 +442,13 @@ fn an_aging_bound_too_long_for_a_duration_is_the_longest_one() {
     assert_eq!(Aging::new(10.0, 50).bound(), Some(Duration::from_secs(5)));
 }
 
+#[test]
+fn without_a_rate_nothing_ages_so_there_is_no_bound() {
+    for per_second in [0.0, -1.0, f64::NAN] {
+        assert_eq!(Aging::new(per_second, 50).bound(), None, "{per_second}");
+    }
+}
+
 thread_local! {
     static READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
@@ -478,6 +485,16 @@ fn within_a_round_aging_reads_the_clock_once() {
     s.release(second);
     s.try_insert(low, "low").unwrap();
     assert_eq!(reads() - before, 2, "outside a round every use reads it");
+}
+
+/// The builder refuses such reservations first; the scheduler's own check
+/// counts every reservation, not the last one alone.
+#[test]
+#[should_panic(expected = "reservations must leave a permit")]
+fn reservations_that_add_up_to_the_limit_panic() {
+    let mut s = scheduler(3);
+    s.reserve(10, 2);
+    s.reserve(20, 1);
 }
 
 #[test]
