@@ -1017,6 +1017,21 @@ fn stats_count_outcomes_and_settlements_the_transport_refused() {
     });
 }
 
+/// Options print every setting, and a placeholder for the closures they
+/// hold (an error class, a backoff curve) rather than nothing.
+#[test]
+fn options_show_their_closures_as_placeholders() {
+    let options = SubscribeOptions::new()
+        .fatal_errors(crate::ErrorClass::of::<Infallible>())
+        .retry_backoff(crate::default_backoff);
+    let shown = format!("{options:?}");
+    assert!(
+        shown.contains("fatal_errors: Some(ErrorClass(..))")
+            && shown.contains("retry_backoff: Some(Backoff(..))"),
+        "{shown}"
+    );
+}
+
 mod hardening;
 mod hooked;
 mod observability;
