@@ -202,6 +202,20 @@ mod tests {
         }
     }
 
+    /// What a handler returns is its reply's bytes, or no reply for `()`
+    /// and `None` (nothing is published, not an empty reply).
+    #[test]
+    fn each_return_type_gives_its_bytes_or_no_reply() {
+        assert_eq!(().into_reply(), None);
+        assert_eq!(None::<Vec<u8>>.into_reply(), None);
+        assert_eq!(b"thumb".to_vec().into_reply(), Some(b"thumb".to_vec()));
+        assert_eq!(
+            Some(b"thumb".to_vec()).into_reply(),
+            Some(b"thumb".to_vec())
+        );
+        assert_eq!("thumb".to_owned().into_reply(), Some(b"thumb".to_vec()));
+    }
+
     #[test]
     fn an_anyhow_error_is_classed_by_what_it_was_made_from() {
         let busy = ErrorClass::of::<Busy>();

@@ -372,13 +372,15 @@ struct WarehouseBusy(#[source] std::io::Error);
 
 /// A handler's error is logged with its causes: the usual error types keep
 /// the cause out of their own text, and a log line without it says what
-/// failed but not why.
+/// failed but not why. A handler that ran out of time is logged with the
+/// deadline it missed.
 #[test]
 fn a_handler_error_is_logged_with_its_causes() {
     let logs = LogCapture::start("pulsar_dispatcher=warn");
     run_local(async {
-        let (dispatcher, transport) = dispatcher(1);
+        let (dispatcher, transport) = dispatcher(2);
         transport.send("jobs", "1");
+        transport.send("slow", "1");
         let busy = async |_: &Message| {
             Err::<(), _>(WarehouseBusy(std::io::Error::other("refused by wms-3")))
         };
@@ -386,6 +388,11 @@ fn a_handler_error_is_logged_with_its_causes() {
             .subscribe("jobs", busy, options(1))
             .await
             .unwrap();
+        let hangs = async |_: &Message| {
+            std::future::pending::<Result<(), std::convert::Infallible>>().await
+        };
+        let deadline = options(1).processing_timeout(Duration::from_millis(20));
+        dispatcher.subscribe("slow", hangs, deadline).await.unwrap();
         let dispatcher = Rc::new(dispatcher);
         let run = spawn_run(&dispatcher);
         settle_down().await;
@@ -394,6 +401,10 @@ fn a_handler_error_is_logged_with_its_causes() {
         let output = logs.output();
         assert!(
             output.contains("error=warehouse busy: refused by wms-3"),
+            "{output}"
+        );
+        assert!(
+            output.contains("error=still running after its processing deadline of 20ms"),
             "{output}"
         );
     });
