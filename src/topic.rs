@@ -128,6 +128,15 @@ mod tests {
         ] {
             assert!(!overlap(partition, other), "{partition} and {other}");
         }
+        // Topics whose names only look like a partition's of orders.
+        for lookalike in [
+            "persistent://public/default/orders-partition-",
+            "persistent://public/default/orders-partition-x",
+            "persistent://public/default/orders-partition-2x",
+        ] {
+            assert!(!overlap(orders, lookalike), "{orders} and {lookalike}");
+            assert!(!overlap(lookalike, orders), "{lookalike} and {orders}");
+        }
     }
 
     #[test]
