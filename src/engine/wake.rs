@@ -125,6 +125,51 @@ impl Wake for SubscriptionWaker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A waker that counts its wakes.
+    #[derive(Default)]
+    struct Counted(AtomicUsize);
+
+    impl Wake for Counted {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The idle worker that offered is woken instead of the engine task,
+    /// once per offer; a withdrawn offer leaves the wakes to the engine.
+    #[test]
+    fn a_wake_goes_to_the_helper_that_offered_once_then_to_the_engine() {
+        let list = Arc::new(WokenList::default());
+        let (engine, helper) = (Arc::new(Counted::default()), Arc::new(Counted::default()));
+        let (engine_waker, helper_waker) =
+            (Waker::from(engine.clone()), Waker::from(helper.clone()));
+        let wakes = || {
+            (
+                engine.0.load(Ordering::Relaxed),
+                helper.0.load(Ordering::Relaxed),
+            )
+        };
+        list.register_engine(&engine_waker);
+        let subscription = SubscriptionWaker::new(0, list.clone());
+        let consumer_waker = Waker::from(subscription.clone());
+        let wake_again = || {
+            subscription.unlist();
+            consumer_waker.wake_by_ref();
+        };
+        list.register_helper(&helper_waker);
+        wake_again();
+        assert_eq!(wakes(), (0, 1), "the helper, not the engine");
+        wake_again();
+        assert_eq!(wakes(), (1, 1), "the offer was taken by the first wake");
+        // The engine task registers again each time it is polled.
+        list.register_engine(&engine_waker);
+        list.register_helper(&helper_waker);
+        list.clear_helper();
+        wake_again();
+        assert_eq!(wakes(), (2, 1), "a withdrawn offer leaves it to the engine");
+    }
 
     #[test]
     fn a_subscription_is_listed_once_until_unlisted() {

@@ -517,6 +517,46 @@ fn a_handler_cancelled_at_shutdown_is_not_reported_overdue_later() {
     });
 }
 
+/// Handlers still running past their deadline show in health, per
+/// subscription and in total: here one that awaits forever and one that
+/// blocks the thread past both deadlines, and reads health while it does.
+#[test]
+fn handlers_past_their_deadline_show_as_overdue_while_they_run() {
+    run_local(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let deadline = Duration::from_millis(20);
+        let handle = dispatcher.close_handle();
+        let seen = Rc::new(std::cell::Cell::new(None));
+        let record = seen.clone();
+        let blocks = async move |_: &Message| {
+            std::thread::sleep(deadline * 2);
+            let health = handle.health().expect("running");
+            let each: Vec<usize> = health
+                .subscriptions
+                .iter()
+                .map(|s| s.overdue_handlers)
+                .collect();
+            record.set(Some((health.overdue_handlers(), each)));
+            Ok::<_, Infallible>(())
+        };
+        let awaits = async |_: &Message| std::future::pending::<Result<(), Infallible>>().await;
+        let awaiting =
+            dispatcher.subscribe("awaits", awaits, options(1).processing_timeout(deadline));
+        awaiting.await.unwrap();
+        let blocking =
+            dispatcher.subscribe("blocks", blocks, options(2).processing_timeout(deadline));
+        blocking.await.unwrap();
+        transport.send("awaits", "1");
+        transport.send("blocks", "1");
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        transport.wait_acked("blocks", 1).await;
+        assert_eq!(seen.take(), Some((2, vec![1, 1])));
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
 /// A running dispatcher of one permit on `transport`, with one
 /// subscription to "jobs" of the given receive failure limit.
 async fn running_on<T: crate::transport::Transport + Clone>(
