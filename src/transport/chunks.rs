@@ -236,6 +236,8 @@ mod tests {
             accept(&mut chunked, 2, &single, "one").0,
             Assembled::Whole("one".into())
         );
+        assert!(!is_chunk(&plain) && !is_chunk(&single));
+        assert!(is_chunk(&chunk("u", 1, 2)));
     }
 
     #[test]
