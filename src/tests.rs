@@ -35,6 +35,14 @@ fn on_local_set<F: Future>(paused: bool, test: F) -> F::Output {
     LocalSet::new().block_on(&runtime, test)
 }
 
+/// Never returns for payload `hang`; succeeds otherwise.
+async fn hangs_on_request(message: &Message) -> Result<(), Infallible> {
+    if message.payload() == b"hang" {
+        std::future::pending::<()>().await;
+    }
+    Ok(())
+}
+
 fn dispatcher(concurrency: usize) -> (Dispatcher<MemoryTransport>, MemoryTransport) {
     let transport = MemoryTransport::new();
     let dispatcher = Dispatcher::builder()

@@ -7,19 +7,13 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use super::hooked::Hooked;
-use super::{dispatcher, options, refused_for, run_local, settle_down, spawn_run, Gate};
+use super::{
+    dispatcher, hangs_on_request, options, refused_for, run_local, settle_down, spawn_run, Gate,
+};
 use crate::transport::{MemoryTransport, OutgoingMessage};
 use crate::{
     Dispatcher, Error, ErrorClass, Message, MessageId, SubType, SubscribeOptions, MAX_DURATION,
 };
-
-/// Never returns for payload `hang`; succeeds otherwise.
-async fn hangs_on_request(message: &Message) -> Result<(), Infallible> {
-    if message.payload() == b"hang" {
-        std::future::pending::<()>().await;
-    }
-    Ok(())
-}
 
 #[test]
 fn a_handler_past_its_deadline_is_dropped_and_its_message_retried() {
@@ -539,14 +533,13 @@ fn handlers_past_their_deadline_show_as_overdue_while_they_run() {
             record.set(Some((health.overdue_handlers(), each)));
             Ok::<_, Infallible>(())
         };
-        let awaits = async |_: &Message| std::future::pending::<Result<(), Infallible>>().await;
-        let awaiting =
-            dispatcher.subscribe("awaits", awaits, options(1).processing_timeout(deadline));
+        let awaiting = options(1).processing_timeout(deadline);
+        let awaiting = dispatcher.subscribe("awaits", hangs_on_request, awaiting);
         awaiting.await.unwrap();
         let blocking =
             dispatcher.subscribe("blocks", blocks, options(2).processing_timeout(deadline));
         blocking.await.unwrap();
-        transport.send("awaits", "1");
+        transport.send("awaits", "hang");
         transport.send("blocks", "1");
         let dispatcher = Rc::new(dispatcher);
         let run = spawn_run(&dispatcher);

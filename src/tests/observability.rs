@@ -10,7 +10,9 @@ use std::time::Duration;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use metrics_util::MetricKind;
 
-use super::{dispatcher, gated, options, run_local, settle_down, spawn_run, Gate};
+use super::{
+    dispatcher, gated, hangs_on_request, options, run_local, settle_down, spawn_run, Gate,
+};
 use crate::per_core::PerCore;
 use crate::transport::MemoryTransport;
 use crate::{Dispatcher, ErrorClass, HealthPhase, Message, SubType, SubscribeOptions};
@@ -380,7 +382,7 @@ fn a_handler_error_is_logged_with_its_causes() {
     run_local(async {
         let (dispatcher, transport) = dispatcher(2);
         transport.send("jobs", "1");
-        transport.send("slow", "1");
+        transport.send("slow", "hang");
         let busy = async |_: &Message| {
             Err::<(), _>(WarehouseBusy(std::io::Error::other("refused by wms-3")))
         };
@@ -388,11 +390,11 @@ fn a_handler_error_is_logged_with_its_causes() {
             .subscribe("jobs", busy, options(1))
             .await
             .unwrap();
-        let hangs = async |_: &Message| {
-            std::future::pending::<Result<(), std::convert::Infallible>>().await
-        };
         let deadline = options(1).processing_timeout(Duration::from_millis(20));
-        dispatcher.subscribe("slow", hangs, deadline).await.unwrap();
+        dispatcher
+            .subscribe("slow", hangs_on_request, deadline)
+            .await
+            .unwrap();
         let dispatcher = Rc::new(dispatcher);
         let run = spawn_run(&dispatcher);
         settle_down().await;
