@@ -291,16 +291,22 @@ fn a_removed_subscription_frees_its_key_and_level() {
     assert_eq!(dispatch(&mut s, &mut permits), Some("b"));
 }
 
-/// The order in which `dispatches` messages are served, one at a time,
-/// from two backlogged subscriptions weighted by `weights`: "h" at
-/// priority 1, "l" at priority 2.
-fn weighted_order(weights: Weights, dispatches: usize) -> String {
+/// A scheduler of one permit weighted by `weights`, with two backlogged
+/// subscriptions: "h" at priority 1, "l" at priority 2.
+fn two_weighted_levels(weights: Weights) -> Scheduler<&'static str> {
     let policy = SchedulingPolicy::Weighted(weights);
     let mut s = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy);
     let high = s.add_subscription(1);
     let low = s.add_subscription(2);
     s.try_insert(high, "h").unwrap();
     s.try_insert(low, "l").unwrap();
+    s
+}
+
+/// The order in which [`two_weighted_levels`] serves `dispatches`
+/// messages, one at a time.
+fn weighted_order(weights: Weights, dispatches: usize) -> String {
+    let mut s = two_weighted_levels(weights);
     (0..dispatches).map(|_| serve_and_refill(&mut s)).collect()
 }
 
@@ -322,13 +328,8 @@ fn levels_not_named_take_the_others_weight() {
 /// one, so the levels after it are renumbered) leaves that turn as it was.
 #[test]
 fn removing_a_level_mid_turn_keeps_the_turn() {
-    let policy = SchedulingPolicy::Weighted(Weights::new().level(1, 3).level(2, 1));
-    let mut s = Scheduler::with_policy(NonZeroUsize::new(1).unwrap(), policy);
+    let mut s = two_weighted_levels(Weights::new().level(1, 3).level(2, 1));
     let idle = s.add_subscription(0);
-    let high = s.add_subscription(1);
-    let low = s.add_subscription(2);
-    s.try_insert(high, "h").unwrap();
-    s.try_insert(low, "l").unwrap();
     let mut order: String = (0..2).map(|_| serve_and_refill(&mut s)).collect();
     assert!(s.remove_subscription(idle));
     order.extend((2..8).map(|_| serve_and_refill(&mut s)));
