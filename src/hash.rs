@@ -121,7 +121,7 @@ fn avalanche(mut x: u64) -> u64 {
 mod tests {
     use std::collections::HashSet;
 
-    use super::{hash_key, TrustedHashing};
+    use super::{hash_key, TrustedHasher, TrustedHashing};
 
     #[test]
     fn distinct_short_keys_hash_apart_and_each_bit_varies() {
@@ -180,6 +180,65 @@ mod tests {
             .collect();
         for (at, name) in names.iter().enumerate() {
             assert_eq!(map[name.as_str()], at);
+        }
+    }
+
+    #[test]
+    fn every_integer_width_counts_in_the_hash() {
+        use std::hash::{BuildHasher, Hasher};
+        // A write the hasher ignored would put every key of that type in
+        // one bucket: correct, but each lookup a scan of the table.
+        type WriteOne = fn(&mut TrustedHasher, u8);
+        let widths: [(&str, WriteOne); 6] = [
+            ("u8", |hasher, n| hasher.write_u8(n)),
+            ("u32", |hasher, n| hasher.write_u32(u32::from(n))),
+            ("i32", |hasher, n| hasher.write_i32(-i32::from(n))),
+            ("u64", |hasher, n| hasher.write_u64(u64::from(n))),
+            ("usize", |hasher, n| hasher.write_usize(usize::from(n))),
+            ("isize", |hasher, n| hasher.write_isize(-isize::from(n))),
+        ];
+        let hashing = TrustedHashing::default();
+        for (width, write) in widths {
+            let hashes: HashSet<u64> = (0..=u8::MAX)
+                .map(|n| {
+                    let mut hasher = hashing.build_hasher();
+                    write(&mut hasher, n);
+                    hasher.finish()
+                })
+                .collect();
+            assert_eq!(hashes.len(), 256, "{width}");
+        }
+    }
+
+    #[test]
+    fn each_input_bit_flips_each_output_bit_about_half_the_time() {
+        // The claims table takes a key's home slot from the low bits of its
+        // hash, and the maps their buckets from the low bits and their tags
+        // from the high ones: a bit of the input that reached only some of
+        // the output would leave keys that differ in it crowded together.
+        const SAMPLES: u32 = 2_000;
+        let mut flips = [[0u32; 64]; 64];
+        let mut input = 1u64;
+        for _ in 0..SAMPLES {
+            // A fixed pseudo-random walk: the same inputs every run.
+            input = input
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let output = super::avalanche(input);
+            for (bit, row) in flips.iter_mut().enumerate() {
+                let changed = output ^ super::avalanche(input ^ (1 << bit));
+                for (out_bit, count) in row.iter_mut().enumerate() {
+                    *count += u32::from(changed >> out_bit & 1 == 1);
+                }
+            }
+        }
+        for (bit, row) in flips.iter().enumerate() {
+            for (out_bit, &count) in row.iter().enumerate() {
+                assert!(
+                    (SAMPLES * 2 / 5..=SAMPLES * 3 / 5).contains(&count),
+                    "input bit {bit} flipped output bit {out_bit} {count} times in {SAMPLES}"
+                );
+            }
         }
     }
 
