@@ -399,6 +399,32 @@ mod tests {
             Some(false)
         );
         assert_eq!(batches.settle(&member(4, 0, 1), true, &none), Some(true));
+        assert_eq!(batches.settle(&member(5, 0, 1), false, &none), Some(false));
+        // A batch of one is one message, which the broker gives back whole:
+        // there is no member of it to remember as having succeeded.
+        assert!(batches.nacked.in_order.is_empty());
+        // An index outside its batch (an id no broker sends) is settled as
+        // one message, not taken for a member of a batch it cannot be in.
+        assert_eq!(batches.settle(&member(6, 3, 3), true, &none), Some(true));
+        assert_eq!(batches.settle(&member(6, 5, 3), false, &none), Some(false));
+        assert!(batches.by_entry.is_empty());
+    }
+
+    #[test]
+    fn a_chunk_is_remembered_by_the_entry_its_redelivery_is_looked_up_by() {
+        // A chunk's ack is recorded by `entry_of_chunk`; when the broker
+        // delivers the chunk again, it is looked up by `entry_of` its id.
+        for partition in [None, Some(0), Some(3)] {
+            let chunk = MessageIdData {
+                ledger_id: 5,
+                entry_id: 9,
+                partition,
+                ..Default::default()
+            };
+            let delivered = MessageId::from_broker(chunk.clone(), None);
+            assert_eq!(entry_of_chunk(&chunk), entry_of(&delivered));
+            assert_eq!(entry_of(&delivered), (partition.unwrap_or(-1), 5, 9));
+        }
     }
 
     #[test]
@@ -581,6 +607,9 @@ mod tests {
     #[test]
     fn a_grown_capacity_remembers_more_acks() {
         let now = Instant::now();
+        let mut none = RecentAcks::new(0);
+        none.record((0, 9, 1), now);
+        assert!(!none.contains((0, 9, 1)), "no capacity, nothing remembered");
         let mut acks = RecentAcks::new(2);
         acks.record((0, 9, 1), now);
         acks.record((0, 9, 2), now);
@@ -658,6 +687,17 @@ mod tests {
             Redelivery::Replay,
             "the other partition's stream never ended"
         );
+        assert_eq!(
+            acks.redelivered(
+                (0, 9, 1),
+                back + LOST_ACK_WINDOW * 2,
+                partition_0_ended,
+                no_loss
+            ),
+            Redelivery::AckLost(vec![(0, 9, 1)]),
+            "taken from the queue long after the return, its ack is still \
+             the one sent 2 s before the stream ended"
+        );
         // A stream end before the ack says nothing about it.
         acks.record((0, 9, 2), back);
         assert_eq!(
@@ -698,6 +738,13 @@ mod tests {
         assert_eq!(
             acks.redelivered((0, 9, 3), later, outage(Some(back)), no_loss),
             Redelivery::Replay
+        );
+        // One made shortly before its redelivery is taken for lost (the
+        // connection lost at the redelivery), however long after the return.
+        acks.record((0, 9, 4), later - Duration::from_secs(5));
+        assert_eq!(
+            acks.redelivered((0, 9, 4), later, outage(Some(back)), no_loss),
+            Redelivery::AckLost(vec![(0, 9, 4)])
         );
     }
 
