@@ -384,11 +384,14 @@ mod tests {
         let mut check = RewindCheck::new(true);
         assert!(check.received(&message(1)));
         assert!(check.received(&message(2)));
+        assert!(check.received(&message(3)));
         check.settled(&message(1));
         check.nacked(0, id(3));
         let mut cx = Context::from_waker(&waker);
-        assert!(check.poll_due(&mut cx).is_pending(), "one still unsettled");
+        assert!(check.poll_due(&mut cx).is_pending(), "two still unsettled");
         check.settled(&message(2));
+        assert_eq!(woken(), 0, "one still unsettled: nothing to poll for");
+        check.settled(&message(3));
         assert_eq!(
             woken(),
             1,
@@ -421,6 +424,23 @@ mod tests {
             check.received(&MessageId::new(1, 4, 0, None)),
             "the same entry on another partition"
         );
+    }
+
+    #[tokio::test]
+    async fn unsettled_messages_are_told_apart_by_partition() {
+        let mut check = RewindCheck::new(false);
+        let on = |partition, entry| MessageId::new(1, entry, partition, None);
+        assert!(!check.holds_unsettled(None));
+        assert!(check.received(&on(0, 4)));
+        assert!(check.received(&on(2, 4)));
+        let held = |check: &RewindCheck| {
+            [None, Some(0), Some(1), Some(2)].map(|partition| check.holds_unsettled(partition))
+        };
+        assert_eq!(held(&check), [true, true, false, true]);
+        check.settled(&on(0, 4));
+        assert_eq!(held(&check), [true, false, false, true]);
+        check.settled(&on(2, 4));
+        assert_eq!(held(&check), [false; 4]);
     }
 
     fn stall_due(check: &mut StallCheck, holds_unsettled: bool) -> bool {
