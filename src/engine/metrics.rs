@@ -165,3 +165,64 @@ pub(crate) fn describe() {
         "how long handlers ran"
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    use super::{SubscriptionMetrics, SummedGauge};
+
+    #[test]
+    fn each_share_moves_the_gauge_by_how_much_it_changed() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let gauge = || {
+            let value = snapshotter.snapshot().into_vec().into_iter().next();
+            match value.map(|(.., value)| value) {
+                Some(DebugValue::Gauge(gauge)) => gauge.0,
+                other => panic!("not a gauge: {other:?}"),
+            }
+        };
+        metrics::with_local_recorder(&recorder, || {
+            // Two dispatchers' shares of one series, as `per_core` has them.
+            let one = SummedGauge::new(metrics::gauge!("shared"));
+            let other = SummedGauge::new(metrics::gauge!("shared"));
+            one.show(2);
+            other.show(3);
+            assert_eq!(gauge(), 5.0);
+            one.show(6);
+            assert_eq!(gauge(), 9.0, "up from a share that was not zero");
+            one.show(1);
+            other.show(3);
+            assert_eq!(gauge(), 4.0);
+            other.show(0);
+            assert_eq!(gauge(), 1.0);
+        });
+    }
+
+    #[test]
+    fn every_metric_has_its_help_text_and_the_timings_their_unit() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            super::describe();
+            let _subscription = SubscriptionMetrics::register("orders", Some("billing"), 3);
+            let _permits = super::permits_available();
+        });
+        let described: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, unit, help, _)| (key.key().name().to_owned(), unit, help))
+            .collect();
+        // The counters, both gauges, both histograms, the permits gauge.
+        assert!(described.len() > 5, "{described:?}");
+        for (name, unit, help) in &described {
+            assert!(help.as_ref().is_some_and(|help| !help.is_empty()), "{name}");
+            let timing = [super::SLOT_WAIT, super::HANDLER_DURATION].contains(&name.as_str());
+            assert_eq!(unit.is_some(), timing, "{name}");
+        }
+        let units: Vec<_> = described.iter().filter_map(|(_, unit, _)| *unit).collect();
+        assert_eq!(units, [metrics::Unit::Seconds; 2]);
+    }
+}
