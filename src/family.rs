@@ -333,6 +333,9 @@ mod tests {
             error.to_string().contains("must not be negative"),
             "{error}"
         );
+        crate::priorities! { enum FromZero { First = 0, Second = 1 } }
+        let topics = TopicFamily::<Level, FromZero>::new("x").topics().unwrap();
+        assert_eq!(topics[0].priority, 100, "a sublevel of 0 is not negative");
         #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
         mod clash {
             crate::priorities! { pub enum Clash { Live = 100, LIVE = 200 } }
