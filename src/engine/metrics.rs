@@ -170,7 +170,7 @@ pub(crate) fn describe() {
 mod tests {
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
-    use super::{SubscriptionMetrics, SummedGauge};
+    use super::{SubscriptionMetrics, SubscriptionStats, SummedGauge};
 
     #[test]
     fn each_share_moves_the_gauge_by_how_much_it_changed() {
@@ -216,7 +216,8 @@ mod tests {
             .map(|(key, unit, help, _)| (key.key().name().to_owned(), unit, help))
             .collect();
         // The counters, both gauges, both histograms, the permits gauge.
-        assert!(described.len() > 5, "{described:?}");
+        let counters = SubscriptionStats::default().counter_values().count();
+        assert_eq!(described.len(), counters + 5, "{described:?}");
         for (name, unit, help) in &described {
             assert!(help.as_ref().is_some_and(|help| !help.is_empty()), "{name}");
             let timing = [super::SLOT_WAIT, super::HANDLER_DURATION].contains(&name.as_str());
