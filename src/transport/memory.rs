@@ -506,7 +506,9 @@ impl MemoryTransport {
         self.broker.closed.get()
     }
 
-    /// Consumers created and not yet closed.
+    /// Consumers created and not yet closed. One dropped without a close
+    /// stays open: a broker would hold its subscription until it learned
+    /// of the drop, and the engine closes every consumer it makes.
     pub fn open_consumers(&self) -> usize {
         self.broker.open_consumers.get()
     }
@@ -671,16 +673,6 @@ impl Consumer for MemoryConsumer {
             self.topic.redeliver_unsettled();
         }
         Ok(())
-    }
-}
-
-impl Drop for MemoryConsumer {
-    fn drop(&mut self) {
-        if !self.closed {
-            self.broker
-                .open_consumers
-                .set(self.broker.open_consumers.get() - 1);
-        }
     }
 }
 
