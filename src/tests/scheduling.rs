@@ -6,6 +6,7 @@
 use std::cell::{Cell, RefCell};
 use std::convert::Infallible;
 use std::rc::Rc;
+use std::time::Duration;
 
 use super::{
     dispatcher, gated, options, recorder, refused_for, run_local, settle_down, spawn_run, Gate, Log,
@@ -38,6 +39,7 @@ fn subscriptions_come_and_go_while_the_others_keep_flowing() {
         transport.send("second", "1");
         transport.wait_acked("second", 1).await;
 
+        let stale = first.clone();
         dispatcher.unsubscribe(first.clone()).await.unwrap();
         assert_eq!(transport.open_consumers(), 1, "its consumer is closed");
         assert_eq!(dispatcher.subscriptions().len(), 1);
@@ -67,6 +69,53 @@ fn subscriptions_come_and_go_while_the_others_keep_flowing() {
             .unwrap();
         assert_eq!(third.info().unwrap().priority, 1);
         assert!(second.info().is_some());
+        // A handle to the subscription that had the place before does not
+        // reach the one that has it now.
+        assert!(stale.info().is_none());
+        assert!(matches!(
+            stale.set_priority(5),
+            Err(Error::UnknownSubscription { .. })
+        ));
+        assert_eq!(third.info().unwrap().priority, 1);
+        let topics: Vec<_> = dispatcher
+            .subscriptions()
+            .into_iter()
+            .map(|info| info.topic)
+            .collect();
+        let made = [second.info().unwrap().topic, third.info().unwrap().topic];
+        assert_eq!(topics, made, "listed in the order they were made");
+        dispatcher.close().await;
+        run.await.unwrap().unwrap();
+    });
+}
+
+/// Removing a subscription leaves the others' timers alone: a nack another
+/// subscription holds back for its delay is still sent when it is due.
+#[test]
+fn a_removal_leaves_the_nacks_other_subscriptions_hold_due() {
+    super::run_paused(async {
+        let (dispatcher, transport) = dispatcher(2);
+        let failed = transport.send("failing", "1");
+        let held_a_minute = options(1).negative_ack_redelivery_delay(Duration::from_secs(60));
+        dispatcher
+            .subscribe(
+                "failing",
+                async |_: &Message| Err::<(), _>("always fails"),
+                held_a_minute,
+            )
+            .await
+            .unwrap();
+        let other = dispatcher
+            .subscribe("other", recorder(&Log::default(), "other"), options(1))
+            .await
+            .unwrap();
+        let dispatcher = Rc::new(dispatcher);
+        let run = spawn_run(&dispatcher);
+        settle_down().await;
+        assert!(transport.nacked("failing").is_empty(), "held back");
+        dispatcher.unsubscribe(other).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        assert_eq!(transport.nacked("failing"), [failed]);
         dispatcher.close().await;
         run.await.unwrap().unwrap();
     });
@@ -346,11 +395,8 @@ async fn busy_key_with_others_behind(backlog_at_subscribe: bool) {
         }
     }
     // A guard against a hang, not a timing goal.
-    let others = tokio::time::timeout(
-        std::time::Duration::from_secs(30),
-        transport.wait_acked("orders", 2),
-    )
-    .await;
+    let others =
+        tokio::time::timeout(Duration::from_secs(30), transport.wait_acked("orders", 2)).await;
     assert!(others.is_ok(), "b and c waited behind the busy key a");
     assert_eq!(transport.acked("orders"), sent[3..]);
     gate.open();
@@ -540,7 +586,7 @@ fn aging_follows_the_runtimes_clock() {
         let order = Log::default();
         let log = order.clone();
         let slow = async move |message: &Message| {
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             log.borrow_mut()
                 .push(String::from_utf8_lossy(message.payload()).into_owned());
             Ok::<_, Infallible>(())
@@ -564,7 +610,7 @@ fn aging_follows_the_runtimes_clock() {
             "ran after {before}: {:?}",
             order.borrow()
         );
-        dispatcher.close_within(std::time::Duration::ZERO).await;
+        dispatcher.close_within(Duration::ZERO).await;
         let _ = run.await.unwrap();
     });
 }
@@ -583,7 +629,7 @@ fn unsubscribe_does_not_wait_for_better_backlogs() {
         let handled = Rc::new(Cell::new(0));
         let count = handled.clone();
         let slow = async move |_: &Message| {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
             count.set(count.get() + 1);
             Ok::<_, Infallible>(())
         };
