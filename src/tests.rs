@@ -671,6 +671,28 @@ fn defaults_are_the_python_originals() {
     });
 }
 
+/// The consumer options the dispatcher does not interpret reach the
+/// transport as they were given.
+#[test]
+fn the_consumer_options_passed_through_reach_the_consumer_as_given() {
+    let metadata = std::collections::BTreeMap::from([("team".to_owned(), "billing".to_owned())]);
+    let crate_options = pulsar::ConsumerOptions::default()
+        .with_metadata(metadata.clone())
+        .read_compacted(true);
+    let options = SubscribeOptions::new()
+        .consumer_name("billing-1")
+        .consumer_options(crate_options)
+        .unacked_message_resend_delay(Duration::from_secs(30));
+    let consumer = options.resolve("jobs").unwrap().consumer;
+    assert_eq!(consumer.consumer_name.as_deref(), Some("billing-1"));
+    assert_eq!(consumer.consumer_options.metadata, metadata);
+    assert_eq!(consumer.consumer_options.read_compacted, Some(true));
+    assert_eq!(
+        consumer.unacked_message_resend_delay,
+        Some(Duration::from_secs(30))
+    );
+}
+
 #[test]
 fn shutdown_finishes_queued_and_in_flight_work_then_closes() {
     run_local(async {

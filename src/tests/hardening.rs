@@ -438,6 +438,10 @@ fn a_concurrency_or_key_buffer_too_large_to_hold_is_refused() {
             assert!(refused_for(&refused, "key_buffer"), "{size}: {refused:?}");
         }
     });
+    let largest = options(1)
+        .ordering(crate::Ordering::Key)
+        .key_buffer(crate::MAX_KEY_BUFFER);
+    assert!(largest.resolve("jobs").is_ok());
 }
 
 /// Reservations that take every permit would leave a level worse than

@@ -447,6 +447,13 @@ fn ordering_options_are_checked_by_name() {
                 .await;
             assert!(refused_for(&refused, name), "{name}: {refused:?}");
         }
+        let one_at_a_time = SubscribeOptions::new()
+            .ordering(Ordering::Subscription)
+            .max_in_flight(1);
+        assert!(
+            one_at_a_time.resolve("x").is_ok(),
+            "a limit it keeps anyway"
+        );
         let refused = Dispatcher::builder()
             .concurrency(2)
             .reserve(1, 2)
