@@ -775,6 +775,8 @@ fn inconsistent_options_are_refused_by_name_before_anything_is_created() {
         }
         assert_eq!(transport.open_consumers(), 0);
         assert!(dispatcher.subscriptions().is_empty());
+        let largest_queue = routed_options().receiver_queue_size(i32::MAX as u32);
+        assert!(largest_queue.resolve("orders").is_ok(), "the largest int");
         // A partition whose dead letters would go to its partitioned topic.
         let refused = dispatcher
             .subscribe("orders-partition-0", failing, dead_letters_to("orders"))
