@@ -353,4 +353,64 @@ mod tests {
         assert_eq!(latency.max, Duration::from_micros(100));
         assert_eq!(LatencyHistogram::default().summary(), Latency::default());
     }
+
+    #[test]
+    fn a_latency_past_the_last_bucket_is_counted_in_it() {
+        let histogram = LatencyHistogram::default();
+        let three_hours = Duration::from_secs(3 * 3600);
+        histogram.record(three_hours);
+        histogram.record(Duration::MAX);
+        let latency = histogram.summary();
+        assert_eq!(latency.count, 2);
+        assert_eq!(latency.max, Duration::from_nanos(u64::MAX));
+        // Reported at the last bucket's bound, about 2.4 hours.
+        let last_bound = Duration::from_nanos(upper_bound(OCTAVES * SUB_BUCKETS - 1));
+        assert_eq!((latency.p50, latency.p99), (last_bound, last_bound));
+        assert!(last_bound > Duration::from_secs(2 * 3600));
+    }
+
+    #[test]
+    fn what_the_consumer_counts_itself_is_taken_over_field_by_field() {
+        let repairs = Repairs {
+            redelivered_after_ack: 1,
+            rewinds_repeated: 2,
+            stalls_rewound: 3,
+            dropped_in_flight: 4,
+            redelivered_after_success: 5,
+        };
+        let counters = Counters::default();
+        counters.copy_repairs(repairs);
+        let mut stats = SubscriptionStats::default();
+        counters.copy_into(&mut stats);
+        assert_eq!(
+            [
+                stats.redelivered_after_ack,
+                stats.rewinds_repeated,
+                stats.stalls_rewound,
+                stats.dropped_in_flight,
+                stats.redelivered_after_success,
+            ],
+            [1, 2, 3, 4, 5]
+        );
+    }
+
+    #[test]
+    fn the_total_sums_the_counters_and_what_each_holds() {
+        let of = |received, in_flight, waiting| SubscriptionStats {
+            received,
+            in_flight,
+            waiting,
+            priority: 7,
+            ..SubscriptionStats::default()
+        };
+        let stats = DispatcherStats {
+            subscriptions: vec![of(10, 2, 1), of(5, 3, 4)],
+            in_flight: 5,
+            waiting: 5,
+            concurrency: 8,
+        };
+        let total = stats.total();
+        assert_eq!((total.received, total.in_flight, total.waiting), (15, 5, 5));
+        assert_eq!(total.priority, 0);
+    }
 }
