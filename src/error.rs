@@ -372,6 +372,22 @@ mod tests {
     }
 
     #[test]
+    fn a_duration_of_a_year_is_accepted_and_a_longer_one_refused() {
+        let year = Duration::from_secs(365 * 24 * 60 * 60);
+        assert_eq!(checked_duration("nack_delay", year, false).ok(), Some(year));
+        let longer = year + Duration::from_nanos(1);
+        match checked_duration("nack_delay", longer, false) {
+            Err(Error::InvalidOption { option, reason }) => {
+                assert_eq!(option, "nack_delay");
+                assert!(reason.contains("longer than"), "{reason}");
+            }
+            other => panic!("a year and a nanosecond was not refused: {other:?}"),
+        }
+        assert!(checked_duration("nack_delay", Duration::ZERO, true).is_ok());
+        assert!(checked_duration("nack_delay", Duration::ZERO, false).is_err());
+    }
+
+    #[test]
     fn a_transport_error_is_no_larger_than_the_crates() {
         // Receives return it by value on the per-message path, inside the
         // engine's `Error` too: a variant larger than `pulsar::Error` grows

@@ -424,20 +424,31 @@ mod tests {
         assert_eq!(id_with_size.batch_size(), Some(3));
         assert_eq!(id_with_size.to_broker(), sized, "a size in the id stays");
 
-        let with_more = MessageIdData {
+        // Each extra alone is kept: an ack set (a batch the broker
+        // redelivered in part) and a chunked message's first chunk.
+        let with_ack_set = MessageIdData {
             ack_set: vec![0b101],
+            ..plain.clone()
+        };
+        let with_first_chunk = MessageIdData {
             first_chunk_message_id: Some(Box::new(plain.clone())),
             ..plain.clone()
         };
-        assert_eq!(
-            MessageId::from_broker(with_more.clone(), None).to_broker(),
-            with_more
-        );
-        assert_ne!(
-            MessageId::from_broker(with_more, None),
-            id,
-            "the extras are part of the id"
-        );
+        let with_both = MessageIdData {
+            ack_set: vec![0b101],
+            ..with_first_chunk.clone()
+        };
+        for with_more in [with_ack_set, with_first_chunk, with_both] {
+            assert_eq!(
+                MessageId::from_broker(with_more.clone(), None).to_broker(),
+                with_more
+            );
+            assert_ne!(
+                MessageId::from_broker(with_more, None),
+                id,
+                "the extras are part of the id"
+            );
+        }
 
         let unpartitioned = MessageIdData {
             partition: None,

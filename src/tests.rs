@@ -944,6 +944,62 @@ fn a_closed_dispatchers_handles_still_answer() {
     });
 }
 
+/// A handle prints what it points at: its topic and whether the
+/// subscription is still registered, or whether the dispatcher still lives.
+#[test]
+fn handles_show_whether_what_they_point_at_is_still_there() {
+    run_local(async {
+        let (dispatcher, _transport) = dispatcher(1);
+        let log = Log::default();
+        let jobs = dispatcher
+            .subscribe("jobs", recorder(&log, "jobs"), options(3))
+            .await
+            .unwrap();
+        let closer = dispatcher.close_handle();
+        let shown = format!("{jobs:?}");
+        assert!(
+            shown.contains("persistent://public/default/jobs")
+                && shown.contains("registered: true"),
+            "{shown}"
+        );
+        assert!(format!("{closer:?}").contains("dispatcher_alive: true"));
+        dispatcher.unsubscribe(jobs.clone()).await.unwrap();
+        assert!(format!("{jobs:?}").contains("registered: false"));
+        drop(dispatcher);
+        settle_down().await;
+        assert!(format!("{closer:?}").contains("dispatcher_alive: false"));
+        assert!(closer.health().is_none() && closer.stats().is_none());
+        assert_eq!(closer.close_within(Duration::from_secs(1)).await, 0);
+    });
+}
+
+/// Subscriptions are numbered per dispatcher, so two dispatchers' first
+/// subscriptions have the same number: a handle is still only its own
+/// dispatcher's to remove.
+#[test]
+fn a_handle_is_refused_by_another_dispatcher() {
+    run_local(async {
+        let log = Log::default();
+        let (first, _) = dispatcher(1);
+        let (second, _) = dispatcher(1);
+        let first_jobs = first
+            .subscribe("jobs", recorder(&log, "first"), options(3))
+            .await
+            .unwrap();
+        let second_jobs = second
+            .subscribe("jobs", recorder(&log, "second"), options(3))
+            .await
+            .unwrap();
+        assert!(matches!(
+            second.unsubscribe(first_jobs.clone()).await,
+            Err(Error::UnknownSubscription { .. })
+        ));
+        assert!(first_jobs.info().is_some() && second_jobs.info().is_some());
+        first.unsubscribe(first_jobs).await.unwrap();
+        assert!(second_jobs.info().is_some());
+    });
+}
+
 #[test]
 fn a_subscribe_that_completes_after_run_started_takes_part() {
     run_local(async {
