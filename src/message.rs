@@ -401,6 +401,71 @@ mod tests {
     }
 
     #[test]
+    fn a_message_reads_and_prints_what_it_was_built_with() {
+        let message = Message::new("orders", MessageId::new(3, 4, 1, Some(0)), b"hi".to_vec())
+            .with_property("tenant", "acme")
+            .with_partition_key("k")
+            .with_ordering_key(*b"o")
+            .with_event_time(7)
+            .with_publish_time(1_700_000_000_000)
+            .with_redelivery_count(2);
+        assert_eq!(message.publish_time(), 1_700_000_000_000);
+        assert_eq!(message.redelivery_count(), Some(2));
+        let shown = format!("{message:?}");
+        for part in [
+            "topic: \"orders\"",
+            "ledger_id: 3, entry_id: 4",
+            "payload: [104, 105]",
+            "(\"tenant\", \"acme\")",
+            "partition_key: Some(\"k\")",
+            "ordering_key: Some([111])",
+            "event_time: Some(7)",
+            "publish_time: 1700000000000",
+            "redelivery_count: Some(2)",
+        ] {
+            assert!(shown.contains(part), "{part} not in {shown}");
+        }
+    }
+
+    #[test]
+    fn metadata_is_kept_only_when_there_is_some() {
+        let mut message = Message::new("t", MessageId::new(1, 1, -1, None), Vec::new());
+        // Most messages carry none: they must not allocate for it.
+        message.set_metadata(Metadata::default());
+        assert!(message.metadata.is_none());
+        let each_part = [
+            Metadata {
+                properties: vec![("a".into(), "1".into())],
+                ..Metadata::default()
+            },
+            Metadata {
+                partition_key: Some("k".into()),
+                ..Metadata::default()
+            },
+            Metadata {
+                partition_key_b64_encoded: true,
+                ..Metadata::default()
+            },
+            Metadata {
+                ordering_key: Some(b"o".to_vec()),
+                ..Metadata::default()
+            },
+            Metadata {
+                event_time: Some(7),
+                ..Metadata::default()
+            },
+        ];
+        for metadata in each_part {
+            message.set_metadata(metadata.clone());
+            assert!(message.metadata.is_some(), "{metadata:?} was dropped");
+            assert_eq!(
+                message.partition_key_is_base64(),
+                metadata.partition_key_b64_encoded
+            );
+        }
+    }
+
+    #[test]
     fn an_id_goes_back_to_the_broker_as_it_came() {
         let plain = MessageIdData {
             ledger_id: 5,

@@ -936,6 +936,8 @@ mod tests {
             assert_eq!(transport.nacked("jobs"), [id], "at once, not after 60 s");
             assert!(engine.scheduler.borrow().has_vacancy(subscription.key));
             assert_eq!(engine.spare_count(), 1, "its box is reused");
+            // Emptied, so that a spare box keeps no payload alive.
+            assert!(engine.spare().slot().is_none());
         });
     }
 }
