@@ -944,8 +944,9 @@ fn a_closed_dispatchers_handles_still_answer() {
     });
 }
 
-/// A handle prints what it points at: its topic and whether the
-/// subscription is still registered, or whether the dispatcher still lives.
+/// A dispatcher prints its phase and subscriptions; a handle prints what it
+/// points at: its topic and whether the subscription is still registered,
+/// or whether the dispatcher still lives.
 #[test]
 fn handles_show_whether_what_they_point_at_is_still_there() {
     run_local(async {
@@ -956,6 +957,13 @@ fn handles_show_whether_what_they_point_at_is_still_there() {
             .await
             .unwrap();
         let closer = dispatcher.close_handle();
+        let shown = format!("{dispatcher:?}");
+        assert!(
+            shown.contains("phase: Idle")
+                && shown.contains("topic: \"persistent://public/default/jobs\"")
+                && shown.contains("priority: 3"),
+            "{shown}"
+        );
         let shown = format!("{jobs:?}");
         assert!(
             shown.contains("persistent://public/default/jobs")
@@ -965,6 +973,7 @@ fn handles_show_whether_what_they_point_at_is_still_there() {
         assert!(format!("{closer:?}").contains("dispatcher_alive: true"));
         dispatcher.unsubscribe(jobs.clone()).await.unwrap();
         assert!(format!("{jobs:?}").contains("registered: false"));
+        assert!(format!("{dispatcher:?}").contains("subscriptions: []"));
         drop(dispatcher);
         settle_down().await;
         assert!(format!("{closer:?}").contains("dispatcher_alive: false"));
